@@ -1,0 +1,298 @@
+"""The mitmproxy glue: options, hooks, and what a flow shows about its routing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from mitmproxy import ctx, exceptions, http
+
+from . import bodies
+from .bodies import BodyError, SseTimingsWatcher, Timings
+from .identity import Identity, IdentityConfig, identify
+from .locks import SlotLocks
+from .router import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SIDE, UNPINNED, Route, Router,
+                     RouterConfig)
+from .slotfiles import SlotFolder
+from .state import StateFile
+
+log = logging.getLogger("slotkeeper")
+
+ROUTE_KEY = "slotkeeper_route"  # flow.metadata: the Route object
+SUMMARY_KEY = "slotkeeper"  # flow.metadata: a plain dict, shown by mitmweb and `~meta`
+WATCH_KEY = "slotkeeper_sse"
+
+# One marker per outcome, so mitmweb's `~marker` filter finds them (e.g. `~marker floppy`).
+MARKERS = {
+    KEPT: ":green_circle:",
+    ASSIGNED: ":large_blue_circle:",
+    RESTORED: ":floppy_disk:",
+    SIDE: ":twisted_rightwards_arrows:",
+    CLIENT: ":pushpin:",
+    FALLBACK: ":warning:",
+    UNPINNED: ":white_circle:",
+    "error": ":x:",
+}
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                              "state")
+    return Path(base) / "slotkeeper"
+
+
+def upstream_of(flow: http.HTTPFlow) -> str:
+    """Each upstream has its own slot space, keyed by its URL. In reverse mode the request
+    already points at the target, so several `--mode reverse:URL@PORT` stay apart."""
+    req = flow.request
+    return f"{req.scheme}://{req.host}:{req.port}"
+
+
+class SlotKeeper:
+    def __init__(self) -> None:
+        self.router: Router | None = None
+        self.identity_config = IdentityConfig()
+        self.max_body_bytes = 32 * 1024 * 1024
+        # Blocking work (state-file lock, /slots, save/restore, slot-lock waits) runs here, off
+        # the event loop. Waits for a busy slot can be long, so more threads than asyncio's
+        # default pool (cores + 4) gives.
+        self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="slotkeeper")
+
+    def load(self, loader) -> None:
+        loader.add_option("slotkeeper_ttl", int, 120,
+                          "Seconds after its last use that a session's slot may be given to "
+                          "another session before colder ones.")
+        loader.add_option("slotkeeper_state_file", str, "",
+                          "The JSON state file shared by every slotkeeper process on this "
+                          "machine (default: $XDG_STATE_HOME/slotkeeper/state.json).")
+        loader.add_option("slotkeeper_slots_timeout_ms", int, 1000,
+                          "How long to wait for GET /slots and /props before falling back to "
+                          "hashing sessions over the slot count.")
+        loader.add_option("slotkeeper_session_headers", Sequence[str], [],
+                          "Extra request header names that carry a session id, checked after "
+                          "the built-in ones.")
+        loader.add_option("slotkeeper_small_request_chars", int, 2000,
+                          "Requests whose prompt has fewer characters are side requests "
+                          "(titles, tags): placed without claiming a slot.")
+        loader.add_option("slotkeeper_children_share_parent", bool, False,
+                          "Subagent requests use their parent's session (and slot) instead of "
+                          "a session of their own.")
+        loader.add_option("slotkeeper_slot_count", int, 0,
+                          "Slot count to hash sessions over when /props does not say.")
+        loader.add_option("slotkeeper_slot_dir", str, "",
+                          "llama-server's --slot-save-path, shared with the proxy: enables "
+                          "saving and restoring sessions.")
+        loader.add_option("slotkeeper_min_save_tokens", int, 256,
+                          "Sessions with fewer tokens are not saved (re-prefilling them is "
+                          "cheap).")
+        loader.add_option("slotkeeper_keep_prefix", bool, False,
+                          "On handover, keep the slot's old content instead of erasing it, so a "
+                          "shared prefix (system prompt) can be reused.")
+        loader.add_option("slotkeeper_max_body_mb", int, 32,
+                          "Largest request body (after decoding) slotkeeper reads, in MiB.")
+
+    def configure(self, updated: set[str]) -> None:
+        if not any(name.startswith("slotkeeper_") for name in updated) and self.router:
+            return
+        opts = ctx.options
+        for name in ("slotkeeper_ttl", "slotkeeper_slots_timeout_ms",
+                     "slotkeeper_small_request_chars", "slotkeeper_slot_count",
+                     "slotkeeper_min_save_tokens"):
+            if getattr(opts, name) < 0:
+                raise exceptions.OptionsError(f"{name} must be 0 or more")
+        if opts.slotkeeper_max_body_mb < 1:
+            raise exceptions.OptionsError("slotkeeper_max_body_mb must be at least 1")
+        for header in opts.slotkeeper_session_headers:
+            if not header or not all(c.isalnum() or c in "-_" for c in header):
+                raise exceptions.OptionsError(
+                    f"slotkeeper_session_headers: {header!r} is not a header name")
+        state_path = (Path(opts.slotkeeper_state_file).expanduser() if opts.slotkeeper_state_file
+                      else default_state_dir() / "state.json")
+        folder = None
+        if opts.slotkeeper_slot_dir:
+            slot_dir = Path(opts.slotkeeper_slot_dir).expanduser()
+            if not slot_dir.is_dir():
+                raise exceptions.OptionsError(
+                    f"slotkeeper_slot_dir {slot_dir} is not a folder (it must be llama-server's "
+                    f"--slot-save-path)")
+            folder = SlotFolder(slot_dir)
+        try:
+            state = StateFile(state_path)
+            locks = SlotLocks(state_path.parent / "locks")
+        except OSError as e:
+            raise exceptions.OptionsError(f"slotkeeper_state_file {state_path}: {e}") from None
+        self.identity_config = IdentityConfig(
+            extra_headers=tuple(opts.slotkeeper_session_headers),
+            children_share_parent=opts.slotkeeper_children_share_parent,
+        )
+        self.max_body_bytes = opts.slotkeeper_max_body_mb * 1024 * 1024
+        self.router = Router(
+            RouterConfig(
+                ttl=float(opts.slotkeeper_ttl),
+                slots_timeout=opts.slotkeeper_slots_timeout_ms / 1000,
+                small_request_chars=opts.slotkeeper_small_request_chars,
+                slot_count=opts.slotkeeper_slot_count,
+                min_save_tokens=opts.slotkeeper_min_save_tokens,
+                erase_on_handover=not opts.slotkeeper_keep_prefix,
+            ),
+            state, locks, folder,
+        )
+
+    # ---- hooks -----------------------------------------------------------------------------
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None or flow.request.method != "POST":
+            return
+        if not bodies.is_completion_path(flow.request.path) or self.router is None:
+            return
+        try:
+            data = self._read_body(flow)
+        except BodyError as e:
+            note_pass_through(flow, str(e))
+            return
+        try:
+            client_slot = bodies.client_slot(data)
+            bodies.check_cache_prompt(data)
+        except BodyError as e:
+            flow.response = error_response(400, str(e))
+            return
+        ident = identify(flow.request.path, flow.request.headers, data, self.identity_config)
+        route = await self._route(flow, ident, client_slot)
+        if route is None:
+            return
+        flow.metadata[ROUTE_KEY] = route
+        pinned_slot = route.slot if route.action != CLIENT else None
+        write_body(flow, bodies.pin(data, pinned_slot))
+        describe(flow, ident, route)
+        log.info("%s (%s) -> slot %s, %s%s in %.1f ms", route.session, route.rule,
+                 route.slot, route.action, f" ({route.detail})" if route.detail else "",
+                 route.ms)
+
+    async def _route(self, flow: http.HTTPFlow, ident: Identity,
+                     client_slot: int | None) -> Route | None:
+        assert self.router is not None
+        url = upstream_of(flow)
+        route = self.router.try_keep(url, ident) if client_slot is None else None
+        if route is not None:
+            return route
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.pool, self.router.route, url, ident, client_slot)
+        except Exception as e:  # a bug or an unforeseen fault: the request still goes through
+            log.exception("routing failed; forwarding unpinned")
+            note_pass_through(flow, f"routing failed: {type(e).__name__}: {e}", marker="error")
+            return None
+
+    def _read_body(self, flow: http.HTTPFlow) -> dict:
+        raw = flow.request.raw_content
+        if raw is None:
+            raise BodyError("body was streamed, not read")
+        if len(raw) > self.max_body_bytes:
+            raise BodyError(f"body over {self.max_body_bytes} bytes")
+        encoding = flow.request.headers.get("content-encoding", "")
+        return bodies.parse_json_object(bodies.decode_body(raw, encoding, self.max_body_bytes))
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        route: Route | None = flow.metadata.get(ROUTE_KEY)
+        if route is None or flow.response is None:
+            return
+        headers = flow.response.headers
+        headers["X-Slotkeeper-Session"] = route.session
+        headers["X-Slotkeeper-Slot"] = "" if route.slot is None else str(route.slot)
+        headers["X-Slotkeeper-Source"] = route.rule
+        if "text/event-stream" in headers.get("content-type", ""):
+            # Pass each event on as it arrives; watch for the final event's timings.
+            watcher = SseTimingsWatcher()
+            flow.metadata[WATCH_KEY] = watcher
+            flow.response.stream = watcher
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        route: Route | None = flow.metadata.pop(ROUTE_KEY, None)
+        if route is None or self.router is None:
+            return
+        timings = self._timings(flow)
+        if timings is not None:
+            flow.metadata[SUMMARY_KEY].update(reused=timings.cache_n, prefilled=timings.prompt_n)
+            flow.comment += f", reused {timings.cache_n:,}, prefilled {timings.prompt_n:,}"
+        await self._finish(route, timings)
+
+    async def error(self, flow: http.HTTPFlow) -> None:
+        route: Route | None = flow.metadata.pop(ROUTE_KEY, None)
+        if route is None or self.router is None:
+            return
+        if flow.response is None:
+            # No answer from llama-server at all: it may be restarting. Verify its slots
+            # before trusting any of them again.
+            self.router.mark_suspect(route.upstream)
+        await self._finish(route, None)
+
+    async def _finish(self, route: Route, timings: Timings | None) -> None:
+        assert self.router is not None
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.pool, self.router.finish, route, timings)
+        except Exception:
+            route.release()
+            log.exception("recording the end of a request failed")
+
+    def _timings(self, flow: http.HTTPFlow) -> Timings | None:
+        watcher: SseTimingsWatcher | None = flow.metadata.pop(WATCH_KEY, None)
+        if watcher is not None:
+            return watcher.timings
+        if flow.response is None or flow.response.status_code != 200:
+            return None
+        return bodies.timings_in_json(flow.response.content or b"")
+
+    def done(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def write_body(flow: http.HTTPFlow, body: bytes) -> None:
+    """Forward a plain JSON body with an exact Content-Length, whatever encoding and framing
+    (gzip, chunked) it arrived with."""
+    headers = flow.request.headers
+    headers.pop("content-encoding", None)
+    headers.pop("transfer-encoding", None)
+    flow.request.content = body
+    headers["content-length"] = str(len(body))
+
+
+def describe(flow: http.HTTPFlow, ident: Identity, route: Route) -> None:
+    """The flow comment (a column in mitmweb), its marker and metadata."""
+    slot = "unpinned" if route.slot is None else f"slot {route.slot}"
+    comment = f"{route.session} ({route.rule}) -> {slot}, {route.action}"
+    if route.detail:
+        comment += f", {route.detail}"
+    flow.comment = comment
+    flow.marked = MARKERS.get(route.action, "")
+    flow.metadata[SUMMARY_KEY] = {
+        "session": route.session,
+        "rule": route.rule,
+        "parent": ident.parent_id,
+        "slot": route.slot,
+        "action": route.action,
+        "detail": route.detail,
+        "routing_ms": round(route.ms, 2),
+        "prompt_chars": ident.prompt_chars,
+        "messages": ident.message_count,
+    }
+
+
+def note_pass_through(flow: http.HTTPFlow, why: str, marker: str = UNPINNED) -> None:
+    flow.comment = f"passed through unchanged: {why}"
+    flow.marked = MARKERS[marker]
+    flow.metadata[SUMMARY_KEY] = {"action": "passed through", "why": why}
+    log.info("%s %s passed through unchanged: %s", flow.request.method, flow.request.path, why)
+
+
+def error_response(status: int, message: str) -> http.Response:
+    body = json.dumps({"error": {"code": status, "message": message, "type": "slotkeeper"}})
+    return http.Response.make(status, body, {"Content-Type": "application/json"})
+
+
+addons = [SlotKeeper()]

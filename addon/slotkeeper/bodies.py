@@ -1,0 +1,159 @@
+"""Request and response bodies: decode, parse, pin to a slot, read timings. Pure functions."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+# POST paths whose requests run a prompt in a slot (llama-server's own and its OpenAI/Anthropic
+# compatible routes). Everything else passes through untouched.
+COMPLETION_PATHS = frozenset(
+    {
+        "/completion",
+        "/completions",
+        "/v1/completions",
+        "/chat/completions",
+        "/v1/chat/completions",
+        "/v1/messages",
+        "/v1/responses",
+        "/responses",
+        "/infill",
+    }
+)
+
+
+def is_completion_path(path: str) -> bool:
+    """True for a completion route, ignoring the query string and one trailing slash."""
+    route = path.split("?", 1)[0]
+    if len(route) > 1 and route.endswith("/"):
+        route = route[:-1]
+    return route in COMPLETION_PATHS
+
+
+class BodyError(ValueError):
+    """The body cannot be pinned; the message says why (shown in the flow and the log)."""
+
+
+@dataclass(frozen=True)
+class ParsedBody:
+    data: dict[str, Any]
+    encoding: str  # the Content-Encoding it arrived with ("" for identity)
+
+
+# zlib window bits per Content-Encoding: 31 reads a gzip header, 15 a zlib stream.
+_WBITS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
+
+
+def decode_body(raw: bytes, content_encoding: str, max_bytes: int) -> bytes:
+    """Undo Content-Encoding, refusing to inflate past max_bytes (a gzip bomb stops there)."""
+    encoding = content_encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding not in _WBITS:
+        raise BodyError(f"unsupported Content-Encoding {encoding!r}")
+    inflater = zlib.decompressobj(_WBITS[encoding])
+    try:
+        out = inflater.decompress(raw, max_bytes + 1)
+    except zlib.error as e:
+        raise BodyError(f"body is not valid {encoding}: {e}") from None
+    if len(out) > max_bytes or inflater.unconsumed_tail:
+        raise BodyError(f"decoded body exceeds {max_bytes} bytes")
+    return out
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BodyError(f"body is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise BodyError(f"body is JSON {type(data).__name__}, not an object")
+    return data
+
+
+def client_slot(data: dict[str, Any]) -> int | None:
+    """The id_slot the client chose itself, or None. -1 means "any" to llama-server."""
+    value = data.get("id_slot")
+    if value is None or value == -1:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BodyError(f"id_slot must be an integer, got {json.dumps(value)[:40]}")
+    return value
+
+
+def check_cache_prompt(data: dict[str, Any]) -> None:
+    value = data.get("cache_prompt", True)
+    if not isinstance(value, bool):
+        raise BodyError(f"cache_prompt must be true or false, got {json.dumps(value)[:40]}")
+
+
+def pin(data: dict[str, Any], slot: int | None) -> bytes:
+    """The body to forward: id_slot set (when slot is not None) and cache_prompt defaulted to
+    true. An explicit cache_prompt: false from the client stays: it asked not to cache."""
+    out = dict(data)
+    if slot is not None:
+        out["id_slot"] = slot
+    out.setdefault("cache_prompt", True)
+    return json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class Timings:
+    cache_n: int  # prompt tokens reused from the slot
+    prompt_n: int  # prompt tokens prefilled
+    predicted_n: int
+    prompt_ms: float
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.cache_n + self.prompt_n
+
+
+def timings_from(obj: object) -> Timings | None:
+    """Read llama-server's `timings` object from a parsed response (or SSE event)."""
+    if not isinstance(obj, dict):
+        return None
+    t = obj.get("timings")
+    if not isinstance(t, dict):
+        return None
+    try:
+        return Timings(
+            cache_n=int(t.get("cache_n", 0)),
+            prompt_n=int(t.get("prompt_n", 0)),
+            predicted_n=int(t.get("predicted_n", 0)),
+            prompt_ms=float(t.get("prompt_ms", 0.0)),
+        )
+    except (TypeError, ValueError):
+        return None
+
+
+def timings_in_json(raw: bytes) -> Timings | None:
+    try:
+        return timings_from(json.loads(raw))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
+class SseTimingsWatcher:
+    """Passes a server-sent-event stream through unchanged, chunk by chunk, and remembers the
+    last `timings` it saw (llama-server puts them in the final event). Used as
+    `flow.response.stream`, so nothing is buffered beyond one partial line."""
+
+    def __init__(self) -> None:
+        self._partial = b""
+        self.timings: Timings | None = None
+
+    def __call__(self, chunk: bytes) -> bytes:
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > 4 * 1024 * 1024:  # a runaway line: stop looking, keep streaming
+            self._partial = b""
+        for line in lines:
+            if line.startswith(b"data:") and b'"timings"' in line:
+                found = timings_in_json(line[5:].strip())
+                if found is not None:
+                    self.timings = found
+        return chunk

@@ -1,0 +1,70 @@
+"""Which slot a session gets. Pure: no I/O, no clock (the caller passes `now`)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """One slot as llama-server's GET /slots reports it."""
+
+    id: int
+    is_processing: bool = False
+    n_tokens: int = 0  # tokens cached in the slot (n_prompt_tokens; 0 for a never-used slot)
+    n_ctx: int = 0
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A session's claim on a slot, as kept in the shared state file."""
+
+    owner: str
+    last_used: float
+    stale: bool = False  # the slot no longer holds the owner's KV (side request, restart)
+
+
+def is_abandoned(claim: Claim | None, now: float, ttl: float) -> bool:
+    return claim is None or now - claim.last_used > ttl
+
+
+def _preference(slot: SlotView, claim: Claim | None, now: float, ttl: float) -> tuple:
+    """Sort key, smallest first:
+    1. an idle slot before one that is processing (taking a busy slot makes us wait for it);
+    2. empty or abandoned slots (no claim, or last use older than the TTL), fewest cached
+       tokens first: taking them costs nobody anything;
+    3. then claimed slots, coldest (oldest last use) first;
+    4. then fewest cached tokens, then lowest id, so the order is total and deterministic."""
+    abandoned = is_abandoned(claim, now, ttl)
+    last_used = 0.0 if claim is None else claim.last_used
+    return (
+        slot.is_processing,
+        not abandoned,
+        slot.n_tokens if abandoned else 0,
+        0.0 if abandoned else last_used,
+        slot.n_tokens,
+        slot.id,
+    )
+
+
+RankSlots = Callable[[Sequence[SlotView], Mapping[int, Claim], float, float], list[int]]
+
+
+def rank_slots(
+    slots: Sequence[SlotView], claims: Mapping[int, Claim], now: float, ttl: float
+) -> list[int]:
+    """Slot ids in the order a session without a slot should try them. The one function to
+    swap for another policy."""
+    ordered = sorted(slots, key=lambda s: _preference(s, claims.get(s.id), now, ttl))
+    return [s.id for s in ordered]
+
+
+def fallback_slot(session_id: str, slot_count: int) -> int | None:
+    """When /slots cannot be read: a stable hash of the session over the slot count, so a
+    session still lands on the same slot every time (and other processes agree)."""
+    if slot_count <= 0:
+        return None
+    digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") % slot_count

@@ -1,0 +1,67 @@
+"""Per-slot locks shared by every proxy process: flock on one small file per (upstream, slot).
+
+A request that keeps its session's slot holds the lock shared; a handover (claim, save the
+outgoing session, restore the incoming one, forward) holds it exclusive until its response
+ends, so no other session's request reaches the slot in between, in this process or another.
+flock belongs to the open file, so two leases in one process exclude each other just as two
+processes do."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import time
+from pathlib import Path
+
+
+class SlotLease:
+    """A held slot lock. release() is idempotent and never blocks."""
+
+    def __init__(self, fd: int, exclusive: bool) -> None:
+        self._fd: int | None = fd
+        self.exclusive = exclusive
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the file drops the flock
+
+
+class SlotLocks:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def path(self, upstream: str, slot: int) -> Path:
+        tag = hashlib.sha256(upstream.encode()).hexdigest()[:12]
+        return self.folder / f"{tag}-slot{int(slot)}.lock"
+
+    def _open(self, upstream: str, slot: int) -> int:
+        return os.open(self.path(upstream, slot), os.O_RDWR | os.O_CREAT, 0o600)
+
+    def try_acquire(self, upstream: str, slot: int, exclusive: bool) -> SlotLease | None:
+        """Non-blocking: safe to call on the event loop."""
+        fd = self._open(upstream, slot)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return SlotLease(fd, exclusive)
+
+    def acquire(
+        self, upstream: str, slot: int, exclusive: bool, timeout: float
+    ) -> SlotLease | None:
+        """Blocking with a deadline (worker threads only). Polls, because flock has no timeout;
+        the wait is for another request on the same slot, so 20 ms steps lose little."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lease = self.try_acquire(upstream, slot, exclusive)
+            if lease is not None or time.monotonic() >= deadline:
+                return lease
+            time.sleep(0.02)

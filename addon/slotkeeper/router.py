@@ -1,0 +1,459 @@
+"""Routing: which slot a request goes to, and the handover when a slot changes hands.
+
+Ties the pure parts (identity, choice) to the I/O (state file, slot locks, upstream client,
+slot files). `try_keep` is the fast path and never blocks; everything else runs in worker
+threads."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import choice
+from .bodies import Timings
+from .choice import SlotView
+from .identity import Identity
+from .locks import SlotLease, SlotLocks
+from .slotfiles import SessionMeta, SlotFolder, file_name_for
+from .state import SlotRecord, StateDoc, StateFile
+from .upstream import ServerProps, SlotsUnavailable, Upstream, UpstreamError
+
+log = logging.getLogger("slotkeeper")
+
+# How a request was routed; also the flow marker names.
+KEPT = "kept"  # the session's slot, still holding its KV
+ASSIGNED = "assigned"  # a slot newly given to the session, starting cold
+RESTORED = "restored"  # newly given, with the session's saved KV restored
+SIDE = "side"  # a small side request, placed without claiming a slot
+CLIENT = "client"  # the client chose id_slot itself
+FALLBACK = "fallback"  # /slots unusable: a stable hash of the session over the slot count
+UNPINNED = "unpinned"  # no slot count known: forwarded as it came
+
+
+@dataclass
+class RouterConfig:
+    ttl: float = 120.0
+    slots_timeout: float = 1.0
+    small_request_chars: int = 2000
+    slot_count: int = 0  # used when /props does not say
+    lock_timeout: float = 600.0  # a handover waits at most this long for a busy slot
+    min_save_tokens: int = 256  # smaller sessions re-prefill in about a second: not worth a file
+    erase_on_handover: bool = True
+    usage_write_interval: float = 2.0
+
+
+@dataclass
+class Route:
+    upstream: str
+    session: str
+    rule: str
+    slot: int | None
+    action: str
+    detail: str = ""
+    lease: SlotLease | None = None
+    restored_tokens: int = 0
+    ms: float = 0.0
+    messages: int = 0
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+
+@dataclass
+class UpstreamInfo:
+    client: Upstream
+    props: ServerProps | None = None
+    checked: bool = False  # props read and warnings logged since the last suspicion
+    suspect: bool = True  # may have restarted: verify before trusting residency
+    usage_written: dict[str, float] = field(default_factory=dict)
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        state: StateFile,
+        locks: SlotLocks,
+        folder: SlotFolder | None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.locks = locks
+        self.folder = folder
+        self.clock = clock
+        self._upstreams: dict[str, UpstreamInfo] = {}
+        self._mutex = threading.Lock()
+
+    # ---- upstream bookkeeping -------------------------------------------------------------
+
+    def upstream(self, url: str) -> UpstreamInfo:
+        with self._mutex:
+            info = self._upstreams.get(url)
+            if info is None:
+                info = UpstreamInfo(Upstream(url, timeout=self.config.slots_timeout))
+                self._upstreams[url] = info
+            return info
+
+    def mark_suspect(self, url: str) -> None:
+        """The upstream may have restarted (a failed connection, a cold answer where the KV
+        should have been): verify it before the next request trusts any slot's content."""
+        self.upstream(url).suspect = True
+
+    def _verify(self, url: str, info: UpstreamInfo) -> None:
+        """Read /props once (and again after a suspicion); if the server is a different one or
+        its slots are empty, no slot holds anyone's KV any more: mark every claim stale, so each
+        session is restored on its next request instead of trusting an empty slot."""
+        try:
+            props = info.client.props()
+        except UpstreamError as e:
+            log.warning("%s: cannot read /props (%s)", url, e)
+            return
+        try:
+            slots = info.client.slots()
+        except SlotsUnavailable:
+            slots = None
+        if not info.checked:
+            _warn_about_settings(url, props, slots, self.folder is not None)
+        info.props, info.checked, info.suspect = props, True, False
+
+        def reconcile(doc: StateDoc) -> bool:
+            up = doc.upstream(url)
+            restarted = bool(up.fingerprint) and up.fingerprint != props.fingerprint
+            up.fingerprint = props.fingerprint
+            live = {s.id: s for s in slots} if slots is not None else None
+            dropped = False
+            for slot_id, rec in list(up.slots.items()):
+                if restarted or (live is not None and slot_id not in live):
+                    del up.slots[slot_id]
+                    dropped = True
+                elif live is not None and not rec.stale and live[slot_id].n_tokens == 0:
+                    rec.stale = True  # the server lost this slot's KV (restart, or cleared)
+                    dropped = True
+            return dropped
+
+        if self.state.update(reconcile):
+            log.info("%s: slots lost their KV (server restarted?): sessions will be restored", url)
+
+    # ---- the fast path ---------------------------------------------------------------------
+
+    def try_keep(self, url: str, ident: Identity) -> Route | None:
+        """A session that owns its slot keeps it: a stat of the state file and a non-blocking
+        shared flock, no network. None means: take the slow path."""
+        info = self._upstreams.get(url)
+        if info is None or info.suspect or self._is_side_request(ident):
+            return None
+        slot = self._resident_slot(self.state.read(), url, ident.session_id)
+        if slot is None:
+            return None
+        lease = self.locks.try_acquire(url, slot, exclusive=False)
+        if lease is None:
+            return None
+        # Re-check under the lock: a handover elsewhere may have claimed the slot meanwhile.
+        if self._resident_slot(self.state.read(), url, ident.session_id) != slot:
+            lease.release()
+            return None
+        return Route(url, ident.session_id, ident.rule, slot, KEPT, lease=lease,
+                     messages=ident.message_count)
+
+    @staticmethod
+    def _resident_slot(doc: StateDoc, url: str, session: str) -> int | None:
+        up = doc.upstreams.get(url)
+        if up is None:
+            return None
+        slot = up.slot_of(session)
+        if slot is None or up.slots[slot].stale:
+            return None
+        return slot
+
+    def _is_side_request(self, ident: Identity) -> bool:
+        return ident.prompt_chars < self.config.small_request_chars
+
+    # ---- the slow path (worker thread) -----------------------------------------------------
+
+    def route(self, url: str, ident: Identity, client_slot: int | None = None) -> Route:
+        started = time.monotonic()
+        info = self.upstream(url)
+        if info.suspect or not info.checked:
+            self._verify(url, info)
+        if client_slot is not None:
+            route = Route(url, ident.session_id, ident.rule, client_slot, CLIENT,
+                          detail="id_slot chosen by the client")
+        else:
+            try:
+                slots = info.client.slots()
+            except SlotsUnavailable as e:
+                route = self._fallback(url, info, ident, str(e))
+            else:
+                route = (self._route_side(url, info, ident, slots) if self._is_side_request(ident)
+                         else self._route_session(url, info, ident, slots))
+        route.messages = ident.message_count
+        route.ms = (time.monotonic() - started) * 1000
+        return route
+
+    def _fallback(self, url: str, info: UpstreamInfo, ident: Identity, why: str) -> Route:
+        count = (info.props.total_slots if info.props else 0) or self.config.slot_count
+        slot = choice.fallback_slot(ident.session_id, count)
+        if slot is None:
+            return Route(url, ident.session_id, ident.rule, None, UNPINNED,
+                         detail=f"{why}; slot count unknown")
+        return Route(url, ident.session_id, ident.rule, slot, FALLBACK,
+                     detail=f"{why}; hashed over {count} slots")
+
+    def _route_session(self, url: str, info: UpstreamInfo, ident: Identity,
+                       slots: list[SlotView]) -> Route:
+        session = ident.session_id
+        live_ids = {s.id for s in slots}
+        for _attempt in range(5):
+            doc = self.state.read()
+            up = doc.upstreams.get(url)
+            owned = up.slot_of(session) if up else None
+            if owned is not None and owned in live_ids:
+                rec = up.slots[owned]
+                lease = self.locks.acquire(url, owned, exclusive=rec.stale,
+                                           timeout=self.config.lock_timeout)
+                if lease is None:
+                    break
+                current = self.state.read().upstreams.get(url)
+                if current is None or current.slot_of(session) != owned:
+                    lease.release()
+                    continue
+                if not current.slots[owned].stale:
+                    return Route(url, session, ident.rule, owned, KEPT, lease=lease)
+                if not lease.exclusive:
+                    lease.release()
+                    continue
+                return self._handover(url, info, ident, owned, lease, previous=None)
+            claims = up.claims() if up else {}
+            ranking = choice.rank_slots(slots, claims, self.clock(), self.config.ttl)
+            if not ranking:
+                return self._fallback(url, info, ident, "server reports no slots")
+            lease, slot = self._lock_first_free(url, ranking)
+            if lease is None:
+                break
+            claimed = self._claim(url, slot, ident, expected=claims.get(slot))
+            if claimed is None:
+                lease.release()
+                continue
+            return self._handover(url, info, ident, slot, lease, previous=claimed[0])
+        return self._fallback(url, info, ident, "no slot could be locked in time")
+
+    def _lock_first_free(self, url: str, ranking: list[int]) -> tuple[SlotLease | None, int]:
+        for slot in ranking:
+            lease = self.locks.try_acquire(url, slot, exclusive=True)
+            if lease is not None:
+                return lease, slot
+        best = ranking[0]
+        return self.locks.acquire(url, best, True, self.config.lock_timeout), best
+
+    def _claim(self, url: str, slot: int, ident: Identity,
+               expected: choice.Claim | None) -> tuple[SlotRecord | None] | None:
+        """Write the claim. Refuse (None) when the slot was claimed by a live session after we
+        ranked it, or when this session got a slot elsewhere meanwhile: the caller re-ranks."""
+        now = self.clock()
+
+        def change(doc: StateDoc) -> tuple[SlotRecord | None] | None:
+            up = doc.upstream(url)
+            if up.slot_of(ident.session_id) not in (None, slot):
+                return None
+            previous = up.slots.get(slot)
+            if previous is not None and previous.claim() != expected and not choice.is_abandoned(
+                previous.claim(), now, self.config.ttl
+            ) and previous.owner != ident.session_id:
+                return None
+            up.slots[slot] = SlotRecord(owner=ident.session_id, claimed=now, last_used=now,
+                                        stale=True, messages=ident.message_count)
+            return (previous,)
+
+        return self.state.update(change)
+
+    def _route_side(self, url: str, info: UpstreamInfo, ident: Identity,
+                    slots: list[SlotView]) -> Route:
+        """A small request (titles, tags, a first "hi") goes to the best slot without claiming
+        it. If that slot belongs to a session, its KV is saved first (when it is worth it) and
+        the claim is marked stale, so the owner is restored on its next request."""
+        doc = self.state.read()
+        up = doc.upstreams.get(url)
+        claims = up.claims() if up else {}
+        ranking = choice.rank_slots(slots, claims, self.clock(), self.config.ttl)
+        if not ranking:
+            return self._fallback(url, info, ident, "server reports no slots")
+        lease, slot = self._lock_first_free(url, ranking)
+        if lease is None:
+            return Route(url, ident.session_id, ident.rule, None, UNPINNED,
+                         detail="small request; every slot busy")
+        current = self.state.read().upstreams.get(url)
+        rec = current.slots.get(slot) if current else None
+        detail = "small request, slot not claimed"
+        if rec is not None and not rec.stale:
+            saved = self._save_if_worth(url, info, slot, rec)
+            self._mark_stale(url, slot, rec.owner)
+            detail += f"; {rec.owner} will be restored" if saved else f"; displaced {rec.owner}"
+        return Route(url, ident.session_id, ident.rule, slot, SIDE, detail=detail, lease=lease)
+
+    # ---- handover --------------------------------------------------------------------------
+
+    def _handover(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
+                  lease: SlotLease, previous: SlotRecord | None) -> Route:
+        """Under the exclusive slot lock: save the outgoing session, then restore the incoming
+        one if its snapshot can work, else start it clean."""
+        session = ident.session_id
+        notes: list[str] = []
+        if previous is not None and previous.owner != session and not previous.stale:
+            if self._save_if_worth(url, info, slot, previous):
+                notes.append(f"saved {previous.owner}")
+        action, restored = ASSIGNED, 0
+        client = info.client
+        if self.folder is not None and info.props is not None:
+            ok, reason = self.folder.check(session, fingerprint=info.props.fingerprint,
+                                           n_ctx=info.props.n_ctx,
+                                           message_count=ident.message_count)
+            if ok:
+                try:
+                    t0 = time.monotonic()
+                    answer = client.restore(slot, file_name_for(session))
+                    restored = int(answer.get("n_restored", 0))
+                    ms = (time.monotonic() - t0) * 1000
+                    action = RESTORED
+                    notes.append(f"restored {restored:,} tokens in {ms:.0f} ms")
+                except UpstreamError as e:
+                    notes.append(f"restore failed ({e})")
+                    restored = 0
+            elif reason != "no snapshot":
+                notes.append(f"snapshot not used: {reason}")
+        if action != RESTORED and self.config.erase_on_handover:
+            try:
+                client.erase(slot)
+            except UpstreamError as e:
+                notes.append(f"erase failed ({e})")
+        self._mark_fresh(url, slot, session, restored)
+        return Route(url, session, ident.rule, slot, action, detail="; ".join(notes),
+                     lease=lease, restored_tokens=restored)
+
+    def _save_if_worth(self, url: str, info: UpstreamInfo, slot: int, rec: SlotRecord) -> bool:
+        """Save a slot's KV as its owner's snapshot, if the owner grew since the last save and
+        is big enough to be worth a file. The caller holds the slot lock."""
+        if self.folder is None or info.props is None:
+            return False
+        if rec.tokens < self.config.min_save_tokens or rec.tokens <= rec.saved_tokens:
+            return rec.saved_tokens > 0 and rec.tokens <= rec.saved_tokens
+        return self.save_slot(url, info, slot, rec.owner, rec.messages) > 0
+
+    def save_slot(self, url: str, info: UpstreamInfo, slot: int, owner: str,
+                  messages: int) -> int:
+        """Save the slot as `owner`'s snapshot and write its metadata; returns tokens saved."""
+        assert self.folder is not None and info.props is not None
+        name = file_name_for(owner)
+        old = self.folder.read_meta(owner)
+        self.folder.make_room(old.size_bytes if old else 0, keep={owner})
+        t0 = time.monotonic()
+        try:
+            answer = info.client.save(slot, name)
+        except UpstreamError as e:
+            log.warning("save of %s from slot %d failed: %s", owner, slot, e)
+            self.folder.discard_partial(owner)
+            return 0
+        n_saved = int(answer.get("n_saved", 0))
+        now = self.clock()
+        size = self.folder.state_path(owner).stat().st_size
+        self.folder.secure(owner)
+        self.folder.write_meta(SessionMeta(
+            session_id=owner, kind="session", file_name=name,
+            fingerprint=info.props.fingerprint, n_ctx=info.props.n_ctx, n_tokens=n_saved,
+            n_messages=messages, created=old.created if old else now, last_used=now,
+            size_bytes=size, misses=0,
+        ))
+
+        def note_saved(doc: StateDoc) -> None:
+            rec = doc.upstream(url).slots.get(slot)
+            if rec is not None and rec.owner == owner:
+                rec.saved_tokens = n_saved
+
+        self.state.update(note_saved)
+        log.info("saved %s from slot %d: %d tokens, %d bytes in %.0f ms", owner, slot, n_saved,
+                 size, (time.monotonic() - t0) * 1000)
+        return n_saved
+
+    def _mark_fresh(self, url: str, slot: int, session: str, restored: int) -> None:
+        def change(doc: StateDoc) -> None:
+            rec = doc.upstream(url).slots.get(slot)
+            if rec is not None and rec.owner == session:
+                rec.stale = False
+                rec.tokens = restored
+                rec.saved_tokens = restored
+
+        self.state.update(change)
+
+    def _mark_stale(self, url: str, slot: int, owner: str) -> None:
+        def change(doc: StateDoc) -> None:
+            rec = doc.upstream(url).slots.get(slot)
+            if rec is not None and rec.owner == owner:
+                rec.stale = True
+
+        self.state.update(change)
+
+    # ---- after the response ----------------------------------------------------------------
+
+    def finish(self, route: Route, timings: Timings | None) -> None:
+        """Record use (coalesced to one write per session every couple of seconds), count a
+        restore that was not reused, release the slot lock. Blocking: worker thread."""
+        try:
+            self._record(route, timings)
+        finally:
+            route.release()
+
+    def _record(self, route: Route, timings: Timings | None) -> None:
+        if route.slot is None or route.action in (SIDE, CLIENT, FALLBACK, UNPINNED):
+            return
+        if route.action == RESTORED and timings is not None and self.folder is not None:
+            if timings.cache_n < route.restored_tokens // 2:
+                misses = self.folder.record_miss(route.session)
+                log.warning("restore of %s was not reused (cache_n %d of %d): miss %d",
+                            route.session, timings.cache_n, route.restored_tokens, misses)
+        if route.action == KEPT and timings is not None and timings.prompt_n > 0:
+            doc = self.state.read().upstreams.get(route.upstream)
+            rec = doc.slots.get(route.slot) if doc else None
+            if rec is not None and rec.tokens > 2 * self.config.min_save_tokens and \
+                    timings.cache_n < rec.tokens // 4:
+                # The slot should have held this session's KV but the server reused almost
+                # nothing: it probably restarted. Verify before the next request.
+                self.mark_suspect(route.upstream)
+        info = self.upstream(route.upstream)
+        now = self.clock()
+        tokens = timings.prompt_tokens + timings.predicted_n if timings else None
+        last = info.usage_written.get(route.session, 0.0)
+        if route.action == KEPT and tokens is None and now - last < self.config.usage_write_interval:
+            return
+        info.usage_written[route.session] = now
+
+        def change(doc: StateDoc) -> None:
+            rec = doc.upstream(route.upstream).slots.get(route.slot)
+            if rec is not None and rec.owner == route.session:
+                rec.last_used = now
+                rec.messages = route.messages
+                if tokens is not None:
+                    rec.tokens = tokens
+
+        self.state.update(change)
+
+
+def _warn_about_settings(url: str, props: ServerProps, slots: list[SlotView] | None,
+                         have_slot_dir: bool) -> None:
+    """Settings that defeat slotkeeper, said once per upstream (and after a restart)."""
+    raw = props.raw
+    if slots is None:
+        log.warning("%s: GET /slots is disabled or failing (--no-slots?): slotkeeper can only "
+                    "hash sessions over the slot count", url)
+    if props.total_slots <= 1:
+        log.warning("%s: the server has %d slot(s): start it with -np N, N >= concurrent "
+                    "sessions", url, props.total_slots)
+    if raw.get("is_sleeping") is None and raw.get("kv_unified") is True:
+        log.warning("%s: unified KV cache (the default with automatic -np): slots share one "
+                    "cache; start llama-server with an explicit -np N", url)
+    if have_slot_dir and not raw.get("slot_save_path", True):
+        log.warning("%s: no --slot-save-path: sessions cannot be saved or restored", url)

@@ -1,0 +1,186 @@
+"""The state file every proxy process on the machine shares: who owns which slot of which
+upstream, and when it was last used. Small (one entry per slot, not per session), read without
+a lock (writers replace it atomically), changed under a portalocker lock."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import portalocker
+
+from .choice import Claim
+
+log = logging.getLogger("slotkeeper.state")
+
+FORMAT_VERSION = 1
+T = TypeVar("T")
+
+
+@dataclass
+class SlotRecord:
+    owner: str
+    claimed: float
+    last_used: float
+    stale: bool = False  # the slot no longer holds the owner's KV: restore before use
+    tokens: int = 0  # tokens in the slot after the owner's last request
+    saved_tokens: int = 0  # tokens in the owner's last saved snapshot (0: none or unknown)
+    messages: int = 0  # messages in the owner's last request (a snapshot's prefix check)
+
+    def claim(self) -> Claim:
+        return Claim(owner=self.owner, last_used=self.last_used, stale=self.stale)
+
+
+@dataclass
+class UpstreamRecord:
+    fingerprint: str = ""  # model/build/slot layout from /props: a change means a new server
+    slots: dict[int, SlotRecord] = field(default_factory=dict)
+
+    def slot_of(self, session: str) -> int | None:
+        for slot_id, rec in self.slots.items():
+            if rec.owner == session:
+                return slot_id
+        return None
+
+    def claims(self) -> dict[int, Claim]:
+        return {slot_id: rec.claim() for slot_id, rec in self.slots.items()}
+
+
+@dataclass
+class StateDoc:
+    upstreams: dict[str, UpstreamRecord] = field(default_factory=dict)
+
+    def upstream(self, url: str) -> UpstreamRecord:
+        return self.upstreams.setdefault(url, UpstreamRecord())
+
+    def to_json(self) -> dict:
+        return {
+            "version": FORMAT_VERSION,
+            "upstreams": {
+                url: {
+                    "fingerprint": up.fingerprint,
+                    "slots": {str(k): asdict(v) for k, v in sorted(up.slots.items())},
+                }
+                for url, up in self.upstreams.items()
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> StateDoc:
+        """Strict about shape: anything unexpected raises ValueError, and the caller rebuilds."""
+        if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
+            raise ValueError("not a slotkeeper state document of this version")
+        upstreams = data.get("upstreams")
+        if not isinstance(upstreams, dict):
+            raise ValueError("upstreams is not an object")
+        doc = cls()
+        for url, up in upstreams.items():
+            if not isinstance(up, dict) or not isinstance(up.get("slots", {}), dict):
+                raise ValueError(f"upstream {url!r} is malformed")
+            rec = UpstreamRecord(fingerprint=str(up.get("fingerprint", "")))
+            for key, slot in up.get("slots", {}).items():
+                try:
+                    rec.slots[int(key)] = _slot_record(slot)
+                except (KeyError, TypeError, ValueError) as e:
+                    raise ValueError(f"slot {key!r} of {url!r}: {e}") from None
+            doc.upstreams[url] = rec
+        return doc
+
+
+def _slot_record(raw: object) -> SlotRecord:
+    if not isinstance(raw, dict):
+        raise TypeError("not an object")
+    rec = SlotRecord(
+        owner=raw["owner"],
+        claimed=float(raw["claimed"]),
+        last_used=float(raw["last_used"]),
+        stale=raw.get("stale", False),
+        tokens=int(raw.get("tokens", 0)),
+        saved_tokens=int(raw.get("saved_tokens", 0)),
+        messages=int(raw.get("messages", 0)),
+    )
+    if not isinstance(rec.owner, str) or not isinstance(rec.stale, bool):
+        raise TypeError("owner must be a string and stale a boolean")
+    return rec
+
+
+class StateFile:
+    """Read cheaply, change under lock.
+
+    `read()` stats the file and parses it again only when it changed (inode, mtime, size), so
+    the fast path costs one stat. `update(fn)` takes the cross-process lock (a sidecar
+    `.lock` file, so the atomic rename never swaps the locked inode), reads the newest
+    document, lets `fn` change it and writes it to a temp file renamed over the old one.
+    Blocking: call it from a worker thread, never on the event loop."""
+
+    def __init__(self, path: Path, lock_timeout: float = 10.0) -> None:
+        self.path = path
+        self.lock_path = path.with_name(path.name + ".lock")
+        self.lock_timeout = lock_timeout
+        self._cached: tuple[tuple[int, int, int], StateDoc] | None = None
+        self._mutex = threading.Lock()  # one writer thread at a time inside this process
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def _stat_key(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def read(self) -> StateDoc:
+        key = self._stat_key()
+        cached = self._cached
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        if key is None:
+            return StateDoc()
+        doc = self._load()
+        self._cached = (key, doc)
+        return doc
+
+    def _load(self) -> StateDoc:
+        try:
+            with open(self.path, "rb") as f:
+                return StateDoc.from_json(json.load(f))
+        except FileNotFoundError:
+            return StateDoc()
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            # A corrupt file costs us the ownership records only (the KV files are separate):
+            # start again from an empty document; the next update rewrites it whole.
+            log.warning("state file %s unreadable (%s): rebuilding it", self.path, e)
+            return StateDoc()
+
+    def update(self, change: Callable[[StateDoc], T]) -> T:
+        with self._mutex, portalocker.Lock(
+            str(self.lock_path), mode="a", timeout=self.lock_timeout, flags=portalocker.LOCK_EX
+        ):
+            doc = self._load()
+            result = change(doc)
+            self._write(doc)
+            return result
+
+    def _write(self, doc: StateDoc) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=".state-", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc.to_json(), f, separators=(",", ":"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        key = self._stat_key()
+        if key is not None:
+            self._cached = (key, doc)

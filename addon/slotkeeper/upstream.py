@@ -1,0 +1,126 @@
+"""The blocking HTTP client for llama-server's admin endpoints. Runs in worker threads only."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+from .choice import SlotView
+
+
+class UpstreamError(Exception):
+    """llama-server did not answer as expected; the message says what happened."""
+
+
+class SlotsUnavailable(UpstreamError):
+    """GET /slots is disabled (--no-slots), failing or too slow: fall back to hashing."""
+
+
+@dataclass(frozen=True)
+class ServerProps:
+    total_slots: int
+    n_ctx: int  # per slot
+    model_path: str
+    build_info: str
+    raw: dict[str, Any]
+
+    @property
+    def fingerprint(self) -> str:
+        """What a state file belongs to: the same model, build and slot layout."""
+        key = json.dumps([self.model_path, self.build_info, self.total_slots, self.n_ctx])
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class Upstream:
+    def __init__(self, base_url: str, timeout: float = 1.0, admin_timeout: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout  # for /slots and /props: slower than this means fall back
+        self.admin_timeout = admin_timeout  # save/restore wait while the slot finishes a request
+        self._http = requests.Session()
+
+    def _get(self, path: str) -> Any:
+        try:
+            r = self._http.get(self.base_url + path, timeout=self.timeout)
+        except requests.RequestException as e:
+            raise UpstreamError(f"GET {path}: {type(e).__name__}") from None
+        if r.status_code != 200:
+            raise UpstreamError(f"GET {path}: HTTP {r.status_code}")
+        try:
+            return r.json()
+        except ValueError:
+            raise UpstreamError(f"GET {path}: not JSON") from None
+
+    def props(self) -> ServerProps:
+        data = self._get("/props")
+        if not isinstance(data, dict):
+            raise UpstreamError("GET /props: not an object")
+        settings = data.get("default_generation_settings") or {}
+        try:
+            return ServerProps(
+                total_slots=int(data.get("total_slots", 0)),
+                n_ctx=int(settings.get("n_ctx", 0)) if isinstance(settings, dict) else 0,
+                model_path=str(data.get("model_path", "")),
+                build_info=str(data.get("build_info", "")),
+                raw=data,
+            )
+        except (TypeError, ValueError):
+            raise UpstreamError("GET /props: unexpected field types") from None
+
+    def slots(self) -> list[SlotView]:
+        try:
+            data = self._get("/slots")
+        except UpstreamError as e:
+            raise SlotsUnavailable(str(e)) from None
+        if not isinstance(data, list):
+            raise SlotsUnavailable("GET /slots: not a list")
+        views = []
+        for item in data:
+            if not isinstance(item, dict) or not isinstance(item.get("id"), int):
+                raise SlotsUnavailable("GET /slots: malformed slot entry")
+            views.append(
+                SlotView(
+                    id=item["id"],
+                    is_processing=bool(item.get("is_processing", False)),
+                    n_tokens=_int(item.get("n_prompt_tokens", 0)),
+                    n_ctx=_int(item.get("n_ctx", 0)),
+                )
+            )
+        return views
+
+    def _slot_action(self, slot: int, action: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        url = f"{self.base_url}/slots/{slot}?action={action}"
+        try:
+            r = self._http.post(url, json=body or {}, timeout=self.admin_timeout)
+        except requests.RequestException as e:
+            raise UpstreamError(f"{action} slot {slot}: {type(e).__name__}") from None
+        if r.status_code != 200:
+            raise UpstreamError(f"{action} slot {slot}: HTTP {r.status_code} {r.text[:200]}")
+        try:
+            data = r.json()
+        except ValueError:
+            raise UpstreamError(f"{action} slot {slot}: not JSON") from None
+        return data if isinstance(data, dict) else {}
+
+    def save(self, slot: int, filename: str) -> dict[str, Any]:
+        return self._slot_action(slot, "save", {"filename": filename})
+
+    def restore(self, slot: int, filename: str) -> dict[str, Any]:
+        return self._slot_action(slot, "restore", {"filename": filename})
+
+    def erase(self, slot: int) -> dict[str, Any]:
+        return self._slot_action(slot, "erase", None)
+
+    def healthy(self) -> bool:
+        try:
+            r = self._http.get(self.base_url + "/health", timeout=self.timeout)
+        except requests.RequestException:
+            return False
+        return r.status_code == 200
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

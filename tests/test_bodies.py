@@ -1,0 +1,89 @@
+"""Request body decoding, pinning, and timings extraction."""
+
+import gzip
+import json
+import zlib
+
+import pytest
+
+from slotkeeper import bodies
+from slotkeeper.bodies import BodyError
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/completion", "/v1/messages",
+                                  "/v1/responses?x=1", "/infill/", "/responses"])
+def test_completion_paths(path):
+    assert bodies.is_completion_path(path)
+
+
+@pytest.mark.parametrize("path", ["/slots", "/v1/models", "/health", "/v1/chat", "/"])
+def test_other_paths(path):
+    assert not bodies.is_completion_path(path)
+
+
+def test_gzip_and_deflate_round_trip():
+    raw = b'{"a": 1}'
+    assert bodies.decode_body(gzip.compress(raw), "gzip", 100) == raw
+    assert bodies.decode_body(zlib.compress(raw), "deflate", 100) == raw
+    assert bodies.decode_body(raw, "identity", 100) == raw
+
+
+def test_gzip_bomb_stops_at_the_limit():
+    bomb = gzip.compress(b"0" * 10_000_000)
+    with pytest.raises(BodyError, match="exceeds 1000 bytes"):
+        bodies.decode_body(bomb, "gzip", 1000)
+
+
+def test_bad_encodings_are_named():
+    with pytest.raises(BodyError, match="not valid gzip"):
+        bodies.decode_body(b"not gzip", "gzip", 100)
+    with pytest.raises(BodyError, match="unsupported Content-Encoding 'zstd'"):
+        bodies.decode_body(b"x", "zstd", 100)
+
+
+def test_parse_rejects_non_objects():
+    with pytest.raises(BodyError, match="not JSON"):
+        bodies.parse_json_object(b"{nope")
+    with pytest.raises(BodyError, match="JSON list, not an object"):
+        bodies.parse_json_object(b"[1]")
+
+
+def test_pin_sets_slot_and_defaults_cache_prompt():
+    out = json.loads(bodies.pin({"messages": []}, 2))
+    assert out == {"messages": [], "id_slot": 2, "cache_prompt": True}
+
+
+def test_pin_keeps_an_explicit_cache_prompt_false():
+    out = json.loads(bodies.pin({"cache_prompt": False}, 1))
+    assert out["cache_prompt"] is False and out["id_slot"] == 1
+
+
+def test_client_slot():
+    assert bodies.client_slot({}) is None
+    assert bodies.client_slot({"id_slot": -1}) is None
+    assert bodies.client_slot({"id_slot": 3}) == 3
+    for bad in ("1", 1.5, True, [1]):
+        with pytest.raises(BodyError, match="id_slot must be an integer"):
+            bodies.client_slot({"id_slot": bad})
+
+
+def test_cache_prompt_type_checked():
+    bodies.check_cache_prompt({"cache_prompt": False})
+    with pytest.raises(BodyError, match="cache_prompt must be true or false"):
+        bodies.check_cache_prompt({"cache_prompt": "yes"})
+
+
+def test_sse_watcher_passes_chunks_and_finds_split_timings():
+    final = b'data: {"choices":[],"timings":{"cache_n":40,"prompt_n":7,"predicted_n":3,"prompt_ms":1.5}}\n\n'
+    stream = [b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n', final[:30], final[30:],
+              b"data: [DONE]\n\n", b""]
+    watcher = bodies.SseTimingsWatcher()
+    assert [watcher(c) for c in stream] == stream
+    assert watcher.timings == bodies.Timings(cache_n=40, prompt_n=7, predicted_n=3, prompt_ms=1.5)
+
+
+def test_timings_in_json():
+    t = bodies.timings_in_json(b'{"timings": {"cache_n": 5, "prompt_n": 2}}')
+    assert t is not None and t.prompt_tokens == 7
+    assert bodies.timings_in_json(b"not json") is None
+    assert bodies.timings_in_json(b'{"timings": {"cache_n": "x"}}') is None

@@ -1,0 +1,58 @@
+"""Slot locks: shared for keepers, exclusive for handovers, across processes too."""
+
+import subprocess
+import sys
+import time
+
+from slotkeeper.locks import SlotLocks
+
+
+def test_shared_leases_coexist_and_block_exclusive(tmp_path):
+    locks = SlotLocks(tmp_path)
+    a = locks.try_acquire("u", 0, exclusive=False)
+    b = locks.try_acquire("u", 0, exclusive=False)
+    assert a and b
+    assert locks.try_acquire("u", 0, exclusive=True) is None
+    assert locks.try_acquire("u", 1, exclusive=True) is not None  # other slot: free
+    a.release()
+    b.release()
+    b.release()  # idempotent
+    assert locks.try_acquire("u", 0, exclusive=True) is not None
+
+
+def test_exclusive_blocks_shared_and_times_out(tmp_path):
+    locks = SlotLocks(tmp_path)
+    held = locks.try_acquire("u", 3, exclusive=True)
+    assert held is not None
+    t0 = time.monotonic()
+    assert locks.acquire("u", 3, exclusive=False, timeout=0.2) is None
+    assert time.monotonic() - t0 >= 0.2
+    held.release()
+    assert locks.acquire("u", 3, exclusive=False, timeout=0.2) is not None
+
+
+def test_upstreams_have_separate_locks(tmp_path):
+    locks = SlotLocks(tmp_path)
+    assert locks.path("http://a:1", 0) != locks.path("http://b:1", 0)
+    assert locks.try_acquire("http://a:1", 0, True) and locks.try_acquire("http://b:1", 0, True)
+
+
+def test_lock_held_by_another_process(tmp_path):
+    code = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]);"
+        "from pathlib import Path; from slotkeeper.locks import SlotLocks;"
+        "l = SlotLocks(Path(sys.argv[2])).try_acquire('u', 0, True); print('held', flush=True);"
+        "time.sleep(1.0)"
+    )
+    import pathlib
+
+    import slotkeeper.locks
+    addon_dir = str(pathlib.Path(slotkeeper.locks.__file__).parent.parent)
+    child = subprocess.Popen([sys.executable, "-c", code, addon_dir, str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "held"
+    locks = SlotLocks(tmp_path)
+    assert locks.try_acquire("u", 0, exclusive=False) is None
+    lease = locks.acquire("u", 0, exclusive=True, timeout=5)
+    assert lease is not None  # granted once the other process exits
+    child.wait(5)
