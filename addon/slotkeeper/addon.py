@@ -13,6 +13,7 @@ from pathlib import Path
 from mitmproxy import ctx, exceptions, http
 
 from . import bodies
+from .api import SessionApi
 from .bodies import BodyError, SseTimingsWatcher, Timings
 from .identity import Identity, IdentityConfig, identify
 from .locks import SlotLocks
@@ -26,6 +27,7 @@ log = logging.getLogger("slotkeeper")
 ROUTE_KEY = "slotkeeper_route"  # flow.metadata: the Route object
 SUMMARY_KEY = "slotkeeper"  # flow.metadata: a plain dict, shown by mitmweb and `~meta`
 WATCH_KEY = "slotkeeper_sse"
+HEALTH_POLL_SECONDS = 0.5
 
 # One marker per outcome, so mitmweb's `~marker` filter finds them (e.g. `~marker floppy`).
 MARKERS = {
@@ -62,6 +64,7 @@ class SlotKeeper:
         # the event loop. Waits for a busy slot can be long, so more threads than asyncio's
         # default pool (cores + 4) gives.
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="slotkeeper")
+        self._watcher: asyncio.Task | None = None
 
     def load(self, loader) -> None:
         loader.add_option("slotkeeper_ttl", int, 120,
@@ -248,7 +251,31 @@ class SlotKeeper:
             return None
         return bodies.timings_in_json(flow.response.content or b"")
 
+    def running(self) -> None:
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_upstreams())
+
+    async def _watch_upstreams(self) -> None:
+        """Poll /health of every upstream seen so far. A failure (down, or 503 while loading a
+        model) means it may come back as a fresh server with empty slots: mark it suspect, so
+        the next request verifies /slots before trusting a slot to still hold a session.
+        Measured: a restart of the test server takes over a second, so 0.5 s polls see it."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(HEALTH_POLL_SECONDS)
+            router = self.router
+            if router is None:
+                continue
+            for url, info in router.known_upstreams():
+                if info.suspect:
+                    continue
+                healthy = await loop.run_in_executor(self.pool, info.client.healthy)
+                if not healthy:
+                    log.info("%s: /health failed; slots will be verified", url)
+                    router.mark_suspect(url)
+
     def done(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -295,4 +322,9 @@ def error_response(status: int, message: str) -> http.Response:
     return http.Response.make(status, body, {"Content-Type": "application/json"})
 
 
-addons = [SlotKeeper()]
+def make_addons() -> list:
+    keeper = SlotKeeper()
+    return [keeper, SessionApi(keeper)]
+
+
+addons = make_addons()

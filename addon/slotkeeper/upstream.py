@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,14 @@ class Upstream:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout  # for /slots and /props: slower than this means fall back
         self.admin_timeout = admin_timeout  # save/restore wait while the slot finishes a request
-        self._http = requests.Session()
+        self._local = threading.local()  # requests.Session is not thread-safe: one per thread
+
+    @property
+    def _http(self) -> requests.Session:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+        return session
 
     def _get(self, path: str) -> Any:
         try:

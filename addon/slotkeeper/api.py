@@ -1,0 +1,90 @@
+"""The session API, served by the proxy itself (so it answers while llama-server is down)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+from mitmproxy import http
+
+from .router import NoSlotDir, SessionAdmin, SlotBusy
+
+if TYPE_CHECKING:
+    from .addon import SlotKeeper
+
+log = logging.getLogger("slotkeeper.api")
+
+PREFIX = "/api/sessions"
+# Session ids as identity.py normalises them: printable ASCII, at most 128 characters (plus
+# "parent/child"). Anything else cannot name a session: 400, not a file lookup.
+VALID_ID = re.compile(r"^[\x21-\x7e]{1,300}$")
+
+
+def json_response(status: int, payload: Any) -> http.Response:
+    return http.Response.make(status, json.dumps(payload, indent=1),
+                              {"Content-Type": "application/json"})
+
+
+def error(status: int, message: str) -> http.Response:
+    return json_response(status, {"error": {"code": status, "message": message}})
+
+
+class SessionApi:
+    def __init__(self, keeper: SlotKeeper) -> None:
+        self.keeper = keeper
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        path = flow.request.path.split("?", 1)[0]
+        if flow.response is not None or not (path == PREFIX or path.startswith(PREFIX + "/")):
+            return
+        flow.marked = ":gear:"
+        flow.comment = "slotkeeper API"
+        router = self.keeper.router
+        if router is None:
+            flow.response = error(503, "slotkeeper is not configured")
+            return
+        admin = SessionAdmin(router)
+        call = self._dispatch(flow.request.method, path[len(PREFIX):], admin)
+        if isinstance(call, http.Response):
+            flow.response = call
+            return
+        status, func, args = call
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self.keeper.pool, func, *args)
+        except NoSlotDir:
+            flow.response = error(409, "no slot folder: start slotkeeper with "
+                                       "slotkeeper_slot_dir set to llama-server's "
+                                       "--slot-save-path to save sessions")
+            return
+        except SlotBusy as e:
+            flow.response = error(409, str(e))
+            return
+        except Exception as e:
+            log.exception("session API call failed")
+            flow.response = error(500, f"{type(e).__name__}: {e}")
+            return
+        if result is None:
+            flow.response = error(404, "unknown session id")
+        else:
+            flow.response = json_response(status, result)
+
+    @staticmethod
+    def _dispatch(method: str, rest: str, admin: SessionAdmin):
+        if rest in ("", "/") and method == "GET":
+            return 200, lambda: {"sessions": admin.saved()}, ()
+        if rest == "/current" and method == "GET":
+            return 200, admin.current, ()
+        if rest == "/clear" and method == "POST":
+            return 200, admin.clear, ()
+        if rest.startswith("/") and method == "DELETE" and rest not in ("/current", "/clear"):
+            session = unquote(rest[1:])
+            if not VALID_ID.match(session):
+                return error(400, "malformed session id: printable ASCII, 1-300 characters")
+            return 200, admin.forget, (session,)
+        return error(405 if rest in ("", "/", "/current", "/clear") else 404,
+                     f"no such endpoint: {method} {PREFIX}{rest}")
