@@ -17,8 +17,8 @@ from .api import SessionApi
 from .bodies import BodyError, SseTimingsWatcher, Timings
 from .identity import Identity, IdentityConfig, identify
 from .locks import SlotLocks
-from .router import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SIDE, UNPINNED, Route, Router,
-                     RouterConfig)
+from .router import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, UNPINNED, Route,
+                     Router, RouterConfig)
 from .slotfiles import SlotFolder
 from .state import StateFile
 
@@ -28,12 +28,14 @@ ROUTE_KEY = "slotkeeper_route"  # flow.metadata: the Route object
 SUMMARY_KEY = "slotkeeper"  # flow.metadata: a plain dict, shown by mitmweb and `~meta`
 WATCH_KEY = "slotkeeper_sse"
 HEALTH_POLL_SECONDS = 0.5
+SHUTDOWN_WAIT_SECONDS = 30.0
 
 # One marker per outcome, so mitmweb's `~marker` filter finds them (e.g. `~marker floppy`).
 MARKERS = {
     KEPT: ":green_circle:",
     ASSIGNED: ":large_blue_circle:",
     RESTORED: ":floppy_disk:",
+    SEEDED: ":seedling:",
     SIDE: ":twisted_rightwards_arrows:",
     CLIENT: ":pushpin:",
     FALLBACK: ":warning:",
@@ -65,6 +67,8 @@ class SlotKeeper:
         # default pool (cores + 4) gives.
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="slotkeeper")
         self._watcher: asyncio.Task | None = None
+        self.idle_save_seconds = 5
+        self.in_flight = 0  # completion requests routed and not yet finished
 
     def load(self, loader) -> None:
         loader.add_option("slotkeeper_ttl", int, 120,
@@ -96,6 +100,21 @@ class SlotKeeper:
         loader.add_option("slotkeeper_keep_prefix", bool, False,
                           "On handover, keep the slot's old content instead of erasing it, so a "
                           "shared prefix (system prompt) can be reused.")
+        loader.add_option("slotkeeper_save_every_tokens", int, 2048,
+                          "Save a session that keeps its slot each time it grew by this many "
+                          "tokens since its last save.")
+        loader.add_option("slotkeeper_idle_save_seconds", int, 5,
+                          "Save a session that grew once it has been idle this long (0: never), "
+                          "so a crash of llama-server loses at most the turn in flight.")
+        loader.add_option("slotkeeper_seed_min_chars", int, 2000,
+                          "System prompts (plus tools) at least this long get a seed: their KV "
+                          "saved once and restored into new sessions' slots.")
+        loader.add_option("slotkeeper_max_seeds", int, 8, "How many seeds to keep (0: none).")
+        loader.add_option("slotkeeper_disk_max_mb", int, 0,
+                          "Most MiB the saved sessions may take in the slot folder; least "
+                          "recently used ones are removed first (0: no limit).")
+        loader.add_option("slotkeeper_disk_max_age_hours", int, 0,
+                          "Saved sessions unused for longer are removed (0: no limit).")
         loader.add_option("slotkeeper_max_body_mb", int, 32,
                           "Largest request body (after decoding) slotkeeper reads, in MiB.")
 
@@ -105,9 +124,13 @@ class SlotKeeper:
         opts = ctx.options
         for name in ("slotkeeper_ttl", "slotkeeper_slots_timeout_ms",
                      "slotkeeper_small_request_chars", "slotkeeper_slot_count",
-                     "slotkeeper_min_save_tokens"):
+                     "slotkeeper_min_save_tokens", "slotkeeper_idle_save_seconds",
+                     "slotkeeper_seed_min_chars", "slotkeeper_max_seeds",
+                     "slotkeeper_disk_max_mb", "slotkeeper_disk_max_age_hours"):
             if getattr(opts, name) < 0:
                 raise exceptions.OptionsError(f"{name} must be 0 or more")
+        if opts.slotkeeper_save_every_tokens < 1:
+            raise exceptions.OptionsError("slotkeeper_save_every_tokens must be at least 1")
         if opts.slotkeeper_max_body_mb < 1:
             raise exceptions.OptionsError("slotkeeper_max_body_mb must be at least 1")
         for header in opts.slotkeeper_session_headers:
@@ -123,7 +146,11 @@ class SlotKeeper:
                 raise exceptions.OptionsError(
                     f"slotkeeper_slot_dir {slot_dir} is not a folder (it must be llama-server's "
                     f"--slot-save-path)")
-            folder = SlotFolder(slot_dir)
+            folder = SlotFolder(slot_dir, max_bytes=opts.slotkeeper_disk_max_mb * 1024 * 1024,
+                                max_age_seconds=opts.slotkeeper_disk_max_age_hours * 3600)
+            swept = folder.sweep_orphans()
+            if swept:
+                log.info("removed %d orphaned files from %s", swept, slot_dir)
         try:
             state = StateFile(state_path)
             locks = SlotLocks(state_path.parent / "locks")
@@ -134,6 +161,7 @@ class SlotKeeper:
             children_share_parent=opts.slotkeeper_children_share_parent,
         )
         self.max_body_bytes = opts.slotkeeper_max_body_mb * 1024 * 1024
+        self.idle_save_seconds = opts.slotkeeper_idle_save_seconds
         self.router = Router(
             RouterConfig(
                 ttl=float(opts.slotkeeper_ttl),
@@ -142,6 +170,9 @@ class SlotKeeper:
                 slot_count=opts.slotkeeper_slot_count,
                 min_save_tokens=opts.slotkeeper_min_save_tokens,
                 erase_on_handover=not opts.slotkeeper_keep_prefix,
+                save_every_tokens=opts.slotkeeper_save_every_tokens,
+                seed_min_chars=opts.slotkeeper_seed_min_chars,
+                max_seeds=opts.slotkeeper_max_seeds,
             ),
             state, locks, folder,
         )
@@ -165,10 +196,11 @@ class SlotKeeper:
             flow.response = error_response(400, str(e))
             return
         ident = identify(flow.request.path, flow.request.headers, data, self.identity_config)
-        route = await self._route(flow, ident, client_slot)
+        route = await self._route(flow, ident, client_slot, data)
         if route is None:
             return
         flow.metadata[ROUTE_KEY] = route
+        self.in_flight += 1
         pinned_slot = route.slot if route.action != CLIENT else None
         write_body(flow, bodies.pin(data, pinned_slot))
         describe(flow, ident, route)
@@ -177,7 +209,7 @@ class SlotKeeper:
                  route.ms)
 
     async def _route(self, flow: http.HTTPFlow, ident: Identity,
-                     client_slot: int | None) -> Route | None:
+                     client_slot: int | None, data: dict) -> Route | None:
         assert self.router is not None
         url = upstream_of(flow)
         route = self.router.try_keep(url, ident) if client_slot is None else None
@@ -185,7 +217,7 @@ class SlotKeeper:
             return route
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self.pool, self.router.route, url, ident, client_slot)
+                self.pool, self.router.route, url, ident, client_slot, flow.request.path, data)
         except Exception as e:  # a bug or an unforeseen fault: the request still goes through
             log.exception("routing failed; forwarding unpinned")
             note_pass_through(flow, f"routing failed: {type(e).__name__}: {e}", marker="error")
@@ -236,12 +268,22 @@ class SlotKeeper:
 
     async def _finish(self, route: Route, timings: Timings | None) -> None:
         assert self.router is not None
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.get_running_loop().run_in_executor(
-                self.pool, self.router.finish, route, timings)
+            await loop.run_in_executor(self.pool, self.router.finish, route, timings)
         except Exception:
             route.release()
             log.exception("recording the end of a request failed")
+        finally:
+            self.in_flight -= 1
+        if self.idle_save_seconds and route.slot is not None:
+            ended = self.router.clock()
+            loop.call_later(self.idle_save_seconds, self._save_if_idle, route, ended)
+
+    def _save_if_idle(self, route: Route, ended: float) -> None:
+        router = self.router
+        if router is not None:
+            self.pool.submit(_logged, router.save_if_idle, route.upstream, route.session, ended)
 
     def _timings(self, flow: http.HTTPFlow) -> Timings | None:
         watcher: SseTimingsWatcher | None = flow.metadata.pop(WATCH_KEY, None)
@@ -273,10 +315,26 @@ class SlotKeeper:
                     log.info("%s: /health failed; slots will be verified", url)
                     router.mark_suspect(url)
 
-    def done(self) -> None:
+    async def done(self) -> None:
+        """Graceful shutdown (SIGINT/SIGTERM): let requests in flight finish, then save every
+        resident session that grew, so a reboot loses nothing."""
         if self._watcher is not None:
             self._watcher.cancel()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SHUTDOWN_WAIT_SECONDS
+        while self.in_flight > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.router is not None and self.router.folder is not None:
+            saved = await loop.run_in_executor(self.pool, self.router.save_all)
+            log.info("shutdown: saved %d sessions", saved)
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _logged(func, *args) -> None:
+    try:
+        func(*args)
+    except Exception:
+        log.exception("background %s failed", getattr(func, "__name__", func))
 
 
 def write_body(flow: http.HTTPFlow, body: bytes) -> None:

@@ -18,6 +18,7 @@ from .bodies import Timings
 from .choice import SlotView
 from .identity import Identity
 from .locks import SlotLease, SlotLocks
+from .seeds import SeedBuilder, seed_id
 from .slotfiles import SessionMeta, SlotFolder, file_name_for
 from .state import SlotRecord, StateDoc, StateFile
 from .upstream import ServerProps, SlotsUnavailable, Upstream, UpstreamError
@@ -30,6 +31,7 @@ ADMIN_LOCK_TIMEOUT = 30.0  # an API call waits this long for a slot's request to
 KEPT = "kept"  # the session's slot, still holding its KV
 ASSIGNED = "assigned"  # a slot newly given to the session, starting cold
 RESTORED = "restored"  # newly given, with the session's saved KV restored
+SEEDED = "seeded"  # newly given, starting from its system prompt's saved KV (a seed)
 SIDE = "side"  # a small side request, placed without claiming a slot
 CLIENT = "client"  # the client chose id_slot itself
 FALLBACK = "fallback"  # /slots unusable: a stable hash of the session over the slot count
@@ -46,6 +48,9 @@ class RouterConfig:
     min_save_tokens: int = 256  # smaller sessions re-prefill in about a second: not worth a file
     erase_on_handover: bool = True
     usage_write_interval: float = 2.0
+    save_every_tokens: int = 2048  # a session that keeps its slot is saved after this growth
+    seed_min_chars: int = 2000  # system prompts (plus tools) at least this long get a seed
+    max_seeds: int = 8
 
 
 @dataclass
@@ -60,6 +65,7 @@ class Route:
     restored_tokens: int = 0
     ms: float = 0.0
     messages: int = 0
+    seed_key: str | None = None
 
     def release(self) -> None:
         if self.lease is not None:
@@ -73,6 +79,9 @@ class UpstreamInfo:
     checked: bool = False  # props read and warnings logged since the last suspicion
     suspect: bool = True  # may have restarted: verify before trusting residency
     usage_written: dict[str, float] = field(default_factory=dict)
+    # session -> (when its last request here ended, tokens in its slot then); exact where the
+    # state file's copy may lag by the coalescing interval.
+    last_seen: dict[str, tuple[float, int]] = field(default_factory=dict)
 
 
 class Router:
@@ -91,6 +100,8 @@ class Router:
         self.clock = clock
         self._upstreams: dict[str, UpstreamInfo] = {}
         self._mutex = threading.Lock()
+        self.seeds = (SeedBuilder(self, config.seed_min_chars, config.max_seeds)
+                      if folder is not None else None)
 
     # ---- upstream bookkeeping -------------------------------------------------------------
 
@@ -183,7 +194,8 @@ class Router:
 
     # ---- the slow path (worker thread) -----------------------------------------------------
 
-    def route(self, url: str, ident: Identity, client_slot: int | None = None) -> Route:
+    def route(self, url: str, ident: Identity, client_slot: int | None = None,
+              path: str = "", body: dict | None = None) -> Route:
         started = time.monotonic()
         info = self.upstream(url)
         if info.suspect or not info.checked:
@@ -198,8 +210,9 @@ class Router:
                 route = self._fallback(url, info, ident, str(e))
             else:
                 route = (self._route_side(url, info, ident, slots) if self._is_side_request(ident)
-                         else self._route_session(url, info, ident, slots))
+                         else self._route_session(url, info, ident, slots, path, body))
         route.messages = ident.message_count
+        route.seed_key = ident.seed_key
         route.ms = (time.monotonic() - started) * 1000
         return route
 
@@ -213,7 +226,7 @@ class Router:
                      detail=f"{why}; hashed over {count} slots")
 
     def _route_session(self, url: str, info: UpstreamInfo, ident: Identity,
-                       slots: list[SlotView]) -> Route:
+                       slots: list[SlotView], path: str, body: dict | None) -> Route:
         session = ident.session_id
         live_ids = {s.id for s in slots}
         for _attempt in range(5):
@@ -235,7 +248,8 @@ class Router:
                 if not lease.exclusive:
                     lease.release()
                     continue
-                return self._handover(url, info, ident, owned, lease, previous=None)
+                return self._handover(url, info, ident, owned, lease, previous=None,
+                                      live_tokens=0, path=path, body=body)
             claims = up.claims() if up else {}
             ranking = choice.rank_slots(slots, claims, self.clock(), self.config.ttl)
             if not ranking:
@@ -247,7 +261,8 @@ class Router:
             if claimed is None:
                 lease.release()
                 continue
-            return self._handover(url, info, ident, slot, lease, previous=claimed[0])
+            return self._handover(url, info, ident, slot, lease, previous=claimed[0],
+                                  live_tokens=_tokens_in(slots, slot), path=path, body=body)
         return self._fallback(url, info, ident, "no slot could be locked in time")
 
     def _lock_first_free(self, url: str, ranking: list[int]) -> tuple[SlotLease | None, int]:
@@ -298,7 +313,7 @@ class Router:
         rec = current.slots.get(slot) if current else None
         detail = "small request, slot not claimed"
         if rec is not None and not rec.stale:
-            saved = self._save_if_worth(url, info, slot, rec)
+            saved = self._save_if_worth(url, info, slot, rec, _tokens_in(slots, slot))
             self._mark_stale(url, slot, rec.owner)
             detail += f"; {rec.owner} will be restored" if saved else f"; displaced {rec.owner}"
         return Route(url, ident.session_id, ident.rule, slot, SIDE, detail=detail, lease=lease)
@@ -306,53 +321,94 @@ class Router:
     # ---- handover --------------------------------------------------------------------------
 
     def _handover(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
-                  lease: SlotLease, previous: SlotRecord | None) -> Route:
+                  lease: SlotLease, previous: SlotRecord | None, live_tokens: int,
+                  path: str, body: dict | None) -> Route:
         """Under the exclusive slot lock: save the outgoing session, then restore the incoming
-        one if its snapshot can work, else start it clean."""
+        one's snapshot if it can work, else its system prompt's seed, else start clean."""
         session = ident.session_id
         notes: list[str] = []
         if previous is not None and previous.owner != session and not previous.stale:
-            if self._save_if_worth(url, info, slot, previous):
+            if self._save_if_worth(url, info, slot, previous, live_tokens):
                 notes.append(f"saved {previous.owner}")
         action, restored = ASSIGNED, 0
-        client = info.client
         if self.folder is not None and info.props is not None:
-            ok, reason = self.folder.check(session, fingerprint=info.props.fingerprint,
-                                           n_ctx=info.props.n_ctx,
-                                           message_count=ident.message_count)
+            ok, reason = self._check(info, session, ident.message_count)
             if ok:
-                try:
-                    t0 = time.monotonic()
-                    answer = client.restore(slot, file_name_for(session))
-                    restored = int(answer.get("n_restored", 0))
-                    ms = (time.monotonic() - t0) * 1000
-                    action = RESTORED
-                    notes.append(f"restored {restored:,} tokens in {ms:.0f} ms")
-                except UpstreamError as e:
-                    notes.append(f"restore failed ({e})")
-                    restored = 0
+                restored = self._restore(info, slot, session, notes)
+                action = RESTORED if restored else ASSIGNED
             elif reason != "no snapshot":
                 notes.append(f"snapshot not used: {reason}")
-        if action != RESTORED and self.config.erase_on_handover:
+            if not restored and ident.seed_key is not None:
+                seed = seed_id(ident.seed_key)
+                if self._check(info, seed, ident.message_count)[0]:
+                    restored = self._restore(info, slot, seed, notes, what="seed")
+                    action = SEEDED if restored else ASSIGNED
+        if not restored and self.config.erase_on_handover:
             try:
-                client.erase(slot)
+                info.client.erase(slot)
             except UpstreamError as e:
                 notes.append(f"erase failed ({e})")
+        if (not restored and self.seeds is not None and ident.seed_key is not None
+                and body is not None):
+            built = self.seeds.build(url, info, slot, ident, path, body)
+            if built:
+                action, restored = SEEDED, built
+                notes.append(f"built seed of {built:,} tokens")
         self._mark_fresh(url, slot, session, restored)
         return Route(url, session, ident.rule, slot, action, detail="; ".join(notes),
                      lease=lease, restored_tokens=restored)
 
-    def _save_if_worth(self, url: str, info: UpstreamInfo, slot: int, rec: SlotRecord) -> bool:
-        """Save a slot's KV as its owner's snapshot, if the owner grew since the last save and
-        is big enough to be worth a file. The caller holds the slot lock."""
+    def _check(self, info: UpstreamInfo, session: str, message_count: int) -> tuple[bool, str]:
+        assert self.folder is not None and info.props is not None
+        return self.folder.check(session, fingerprint=info.props.fingerprint,
+                                 n_ctx=info.props.n_ctx, message_count=message_count)
+
+    def _restore(self, info: UpstreamInfo, slot: int, session: str, notes: list[str],
+                 what: str = "") -> int:
+        """Restore a snapshot into the slot; tokens restored, 0 on failure. A failed restore
+        may leave the slot half-written, so it is erased and the request starts clean."""
+        t0 = time.monotonic()
+        try:
+            answer = info.client.restore(slot, file_name_for(session))
+        except UpstreamError as e:
+            notes.append(f"{what or 'snapshot'} restore failed ({e})")
+            try:
+                info.client.erase(slot)
+            except UpstreamError:
+                pass
+            return 0
+        restored = int(answer.get("n_restored", 0))
+        ms = (time.monotonic() - t0) * 1000
+        notes.append(f"restored {what + ' of ' if what else ''}{restored:,} tokens in {ms:.0f} ms")
+        self._touch(session)
+        return restored
+
+    def _touch(self, session: str) -> None:
+        """A restored snapshot was used: it is the last one the disk budget should drop."""
+        assert self.folder is not None
+        meta = self.folder.read_meta(session)
+        if meta is not None:
+            meta.last_used = self.clock()
+            self.folder.write_meta(meta)
+
+    def _save_if_worth(self, url: str, info: UpstreamInfo, slot: int, rec: SlotRecord,
+                       live_tokens: int) -> bool:
+        """Save a slot's KV as its owner's snapshot if it is big enough to be worth a file
+        and holds more than the last snapshot. `live_tokens` is the slot's prompt size from
+        /slots (exact); rec.tokens may lag by a couple of seconds (coalesced writes), so the
+        larger of the two decides. True when an up-to-date snapshot exists afterwards. The
+        caller holds the slot lock."""
         if self.folder is None or info.props is None:
             return False
-        if rec.tokens < self.config.min_save_tokens or rec.tokens <= rec.saved_tokens:
-            return rec.saved_tokens > 0 and rec.tokens <= rec.saved_tokens
+        tokens = max(rec.tokens, live_tokens)
+        if tokens < self.config.min_save_tokens:
+            return False
+        if rec.saved_tokens and tokens <= rec.saved_tokens:
+            return True
         return self.save_slot(url, info, slot, rec.owner, rec.messages) > 0
 
     def save_slot(self, url: str, info: UpstreamInfo, slot: int, owner: str,
-                  messages: int) -> int:
+                  messages: int, kind: str = "session") -> int:
         """Save the slot as `owner`'s snapshot and write its metadata; returns tokens saved."""
         assert self.folder is not None and info.props is not None
         name = file_name_for(owner)
@@ -366,11 +422,18 @@ class Router:
             self.folder.discard_partial(owner)
             return 0
         n_saved = int(answer.get("n_saved", 0))
+        ok, why = self.folder.verify_saved(owner, n_written=int(answer.get("n_written", -1)),
+                                           n_saved=n_saved)
+        if not ok:
+            # A full disk truncates the file while its header still claims every token.
+            log.warning("save of %s from slot %d is unusable (%s): removed", owner, slot, why)
+            self.folder.discard_partial(owner)
+            return 0
         now = self.clock()
         size = self.folder.state_path(owner).stat().st_size
         self.folder.secure(owner)
         self.folder.write_meta(SessionMeta(
-            session_id=owner, kind="session", file_name=name,
+            session_id=owner, kind=kind, file_name=name,
             fingerprint=info.props.fingerprint, n_ctx=info.props.n_ctx, n_tokens=n_saved,
             n_messages=messages, created=old.created if old else now, last_used=now,
             size_bytes=size, misses=0,
@@ -417,25 +480,20 @@ class Router:
     def _record(self, route: Route, timings: Timings | None) -> None:
         if route.slot is None or route.action in (SIDE, CLIENT, FALLBACK, UNPINNED):
             return
-        if route.action == RESTORED and timings is not None and self.folder is not None:
-            if timings.cache_n < route.restored_tokens // 2:
-                misses = self.folder.record_miss(route.session)
-                log.warning("restore of %s was not reused (cache_n %d of %d): miss %d",
-                            route.session, timings.cache_n, route.restored_tokens, misses)
-        if route.action == KEPT and timings is not None and timings.prompt_n > 0:
-            doc = self.state.read().upstreams.get(route.upstream)
-            rec = doc.slots.get(route.slot) if doc else None
-            if rec is not None and rec.tokens > 2 * self.config.min_save_tokens and \
-                    timings.cache_n < rec.tokens // 4:
-                # The slot should have held this session's KV but the server reused almost
-                # nothing: it probably restarted. Verify before the next request.
-                self.mark_suspect(route.upstream)
+        if route.action in (RESTORED, SEEDED) and timings is not None:
+            self._check_reuse(route, timings)
+        if route.action == KEPT and timings is not None:
+            self._check_still_resident(route, timings)
         info = self.upstream(route.upstream)
         now = self.clock()
         tokens = timings.prompt_tokens + timings.predicted_n if timings else None
+        if tokens is not None:
+            info.last_seen[route.session] = (now, tokens)
+        if self._grew_enough(route, tokens):
+            self.save_slot(route.upstream, info, route.slot, route.session, route.messages)
         last = info.usage_written.get(route.session, 0.0)
-        if route.action == KEPT and tokens is None and now - last < self.config.usage_write_interval:
-            return
+        if route.action == KEPT and now - last < self.config.usage_write_interval:
+            return  # coalesced: the handover decisions read live token counts from /slots
         info.usage_written[route.session] = now
 
         def change(doc: StateDoc) -> None:
@@ -447,6 +505,87 @@ class Router:
                     rec.tokens = tokens
 
         self.state.update(change)
+
+    def _check_reuse(self, route: Route, timings: Timings) -> None:
+        """A restored snapshot (or seed) the server did not reuse is a miss: its tokens were not
+        a prefix of the prompt. Two misses retire it (slotfiles)."""
+        if self.folder is None or timings.cache_n >= route.restored_tokens // 2:
+            return
+        snapshot = route.session
+        if route.action == SEEDED and route.seed_key is not None:
+            snapshot = seed_id(route.seed_key)
+        misses = self.folder.record_miss(snapshot)
+        log.warning("restore of %s was not reused (cache_n %d of %d): miss %d", snapshot,
+                    timings.cache_n, route.restored_tokens, misses)
+
+    def _check_still_resident(self, route: Route, timings: Timings) -> None:
+        if timings.prompt_n == 0:
+            return
+        seen = self.upstream(route.upstream).last_seen.get(route.session)
+        expected = seen[1] if seen else 0
+        if expected > 2 * self.config.min_save_tokens and timings.cache_n < expected // 4:
+            # The slot should have held this session's KV but the server reused almost
+            # nothing: it probably restarted. Verify before the next request.
+            log.warning("%s on slot %s reused %d of ~%d tokens: verifying %s", route.session,
+                        route.slot, timings.cache_n, expected, route.upstream)
+            self.mark_suspect(route.upstream)
+
+    def _grew_enough(self, route: Route, tokens: int | None) -> bool:
+        if self.folder is None or tokens is None or tokens < self.config.min_save_tokens:
+            return False
+        doc = self.state.read().upstreams.get(route.upstream)
+        rec = doc.slots.get(route.slot) if doc else None
+        if rec is None or rec.owner != route.session or rec.stale:
+            return False
+        return tokens - rec.saved_tokens >= self.config.save_every_tokens
+
+    # ---- background saves --------------------------------------------------------------------
+
+    def save_if_idle(self, url: str, session: str, ended: float) -> bool:
+        """Called a few seconds after a request ended: if the session has not been back since,
+        save what it grew, so a llama-server that dies without warning loses nothing that
+        finished. Skips quietly when the slot is busy or no longer the session's."""
+        info = self._upstreams.get(url)
+        if info is None or self.folder is None:
+            return False
+        seen = info.last_seen.get(session)
+        if seen is None or seen[0] > ended:
+            return False  # it came back: its own next idle period will save it
+        return self._save_resident(url, info, session, seen[1], lock_timeout=0)
+
+    def save_all(self, lock_timeout: float = 30.0) -> int:
+        """On shutdown: save every session resident on a known upstream that grew since its
+        last save. Returns how many were saved."""
+        saved = 0
+        for url, info in self.known_upstreams():
+            up = self.state.read().upstreams.get(url)
+            for rec in list(up.slots.values()) if up else []:
+                seen = info.last_seen.get(rec.owner)
+                tokens = max(rec.tokens, seen[1] if seen else 0)
+                saved += self._save_resident(url, info, rec.owner, tokens, lock_timeout)
+        return saved
+
+    def _save_resident(self, url: str, info: UpstreamInfo, session: str, tokens: int,
+                       lock_timeout: float) -> bool:
+        if self.folder is None or info.props is None or tokens < self.config.min_save_tokens:
+            return False
+        slot = self._resident_slot(self.state.read(), url, session)
+        if slot is None or self.state.read().upstreams[url].slots[slot].saved_tokens >= tokens:
+            return False
+        lease = self.locks.acquire(url, slot, exclusive=False, timeout=lock_timeout)
+        if lease is None:
+            return False
+        try:
+            if self._resident_slot(self.state.read(), url, session) != slot:
+                return False
+            rec = self.state.read().upstreams[url].slots[slot]
+            return self.save_slot(url, info, slot, session, rec.messages) > 0
+        finally:
+            lease.release()
+
+
+def _tokens_in(slots: list[SlotView], slot: int) -> int:
+    return next((s.n_tokens for s in slots if s.id == slot), 0)
 
 
 def _warn_about_settings(url: str, props: ServerProps, slots: list[SlotView] | None,

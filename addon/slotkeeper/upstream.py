@@ -99,28 +99,31 @@ class Upstream:
             )
         return views
 
-    def _slot_action(self, slot: int, action: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        url = f"{self.base_url}/slots/{slot}?action={action}"
+    def post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST to one of the server's own endpoints (templates, a prefill), waiting as long
+        as an admin call may."""
         try:
-            r = self._http.post(url, json=body or {}, timeout=self.admin_timeout)
+            r = self._http.post(self.base_url + path, json=body, timeout=self.admin_timeout)
         except requests.RequestException as e:
-            raise UpstreamError(f"{action} slot {slot}: {type(e).__name__}") from None
+            raise UpstreamError(f"POST {path}: {type(e).__name__}") from None
         if r.status_code != 200:
-            raise UpstreamError(f"{action} slot {slot}: HTTP {r.status_code} {r.text[:200]}")
+            raise UpstreamError(f"POST {path}: HTTP {r.status_code} {r.text[:200]}")
         try:
             data = r.json()
         except ValueError:
-            raise UpstreamError(f"{action} slot {slot}: not JSON") from None
-        return data if isinstance(data, dict) else {}
+            raise UpstreamError(f"POST {path}: not JSON") from None
+        if not isinstance(data, dict):
+            raise UpstreamError(f"POST {path}: not an object")
+        return data
 
     def save(self, slot: int, filename: str) -> dict[str, Any]:
-        return self._slot_action(slot, "save", {"filename": filename})
+        return self.post_json(f"/slots/{int(slot)}?action=save", {"filename": filename})
 
     def restore(self, slot: int, filename: str) -> dict[str, Any]:
-        return self._slot_action(slot, "restore", {"filename": filename})
+        return self.post_json(f"/slots/{int(slot)}?action=restore", {"filename": filename})
 
     def erase(self, slot: int) -> dict[str, Any]:
-        return self._slot_action(slot, "erase", None)
+        return self.post_json(f"/slots/{int(slot)}?action=erase", {})
 
     def healthy(self) -> bool:
         try:
