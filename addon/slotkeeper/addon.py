@@ -240,6 +240,7 @@ class SlotKeeper:
         headers["X-Slotkeeper-Session"] = route.session
         headers["X-Slotkeeper-Slot"] = "" if route.slot is None else str(route.slot)
         headers["X-Slotkeeper-Source"] = route.rule
+        headers["X-Slotkeeper-Action"] = route.action
         if "text/event-stream" in headers.get("content-type", ""):
             # Pass each event on as it arrives; watch for the final event's timings.
             watcher = SseTimingsWatcher()

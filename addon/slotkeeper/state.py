@@ -160,7 +160,8 @@ class StateFile:
 
     def update(self, change: Callable[[StateDoc], T]) -> T:
         with self._mutex, portalocker.Lock(
-            str(self.lock_path), mode="a", timeout=self.lock_timeout, flags=portalocker.LOCK_EX
+            str(self.lock_path), mode="a", timeout=self.lock_timeout,
+            flags=portalocker.LOCK_EX | portalocker.LOCK_NB,  # NB: retried until the timeout
         ):
             doc = self._load()
             result = change(doc)

@@ -31,8 +31,10 @@ class ServerProps:
 
     @property
     def fingerprint(self) -> str:
-        """What a state file belongs to: the same model, build and slot layout."""
-        key = json.dumps([self.model_path, self.build_info, self.total_slots, self.n_ctx])
+        """What a state file belongs to: the same model, build and slot count. Not n_ctx:
+        measured, a file restores into a server with another -c and the same -np; the token
+        count is checked against n_ctx separately."""
+        key = json.dumps([self.model_path, self.build_info, self.total_slots])
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

@@ -1,0 +1,556 @@
+"""Which session a request belongs to, and by which rule. Pure: no I/O, no logging.
+
+The rules, their order and every decision behind them are in docs/DESIGN.md, "Session
+identity". In short: a client-sent header, else a body field, else a hash of the conversation
+start (model + system prompt + first user message); a subagent request becomes
+"<parent>/<child>" (or its parent's session, when configured so).
+
+Everything here reads hostile input (headers and a JSON body from any client), so every
+function accepts any value and never raises; session ids come out normalised (see
+`_normalise_id`): printable ASCII without spaces, "/" only as the parent/child separator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class IdentityConfig:
+    # configured extra session header names, checked after the built-in headers
+    extra_headers: tuple[str, ...] = ()
+    # a subagent/child request uses its parent's session instead of "parent/child"
+    children_share_parent: bool = False
+
+
+@dataclass(frozen=True)
+class Identity:
+    session_id: str  # normalised (see _normalise_id)
+    rule: str  # which rule matched, human readable ("header x-session-id", "content", ...)
+    parent_id: str | None  # the parent session when this request is a child (subagent) session
+    prompt_chars: int  # characters the server will prefill (system + tools JSON + all messages)
+    message_count: int  # conversation messages / input items (a bare prompt counts 1)
+    seed_key: str | None  # sha256 hex of (model, system prompt, tools): the shared seed snapshot
+    system_chars: int  # characters of system prompt + tools JSON
+
+
+# ---- rule 1: headers ------------------------------------------------------------------------
+
+# Checked in this order; the first non-blank value wins. Generic names first, then the ones
+# particular clients send (see /work/shared/llama-server-facts.md, "What clients send").
+SESSION_HEADERS: tuple[str, ...] = (
+    "x-session-id",  # generic; OpenCode sends it too
+    "x-conversation-id",
+    "session-id",  # generic; Codex >= thread/session split sends it
+    "conversation-id",
+    "x-claude-code-session-id",  # Claude Code
+    "session_id",  # Codex (older releases), pi with sendSessionAffinityHeaders
+    "thread-id",  # Codex
+    "x-session-affinity",  # OpenCode, pi
+    "x-opencode-session",  # OpenCode
+    "x-openwebui-chat-id",  # OpenWebUI (with forwarded user info headers)
+    "x-litellm-session-id",  # LiteLLM / OpenHands
+)
+# Deliberately absent: x-client-request-id. pi sets it to the session id, but only next to
+# session_id / x-session-affinity, and Codex to the thread id, next to thread-id (both above),
+# while OpenAI SDKs send a fresh one per request: it adds nothing, and as a key it could
+# split one conversation into one session per request.
+
+# ---- rule 3: children -----------------------------------------------------------------------
+
+CLAUDE_AGENT = "x-claude-code-agent-id"  # set on subagent requests only; the main agent has none
+CLAUDE_PARENT_AGENT = "x-claude-code-parent-agent-id"
+CODEX_THREAD = "thread-id"
+CODEX_PARENT_THREAD = "x-codex-parent-thread-id"
+OPENCODE_PARENT = "x-parent-session-id"
+
+# ---- rule 2: body fields --------------------------------------------------------------------
+
+# API object ids: a response, message or completion id names one request or one reply, never
+# a conversation. A top-level "id" with one of these prefixes is not a chat id.
+OBJECT_ID_PREFIXES: tuple[str, ...] = (
+    "resp_", "msg_", "chatcmpl-", "cmpl-", "rs_", "fc_", "call_", "toolu_", "req_", "run_",
+    "asst_", "file_", "batch_",
+)
+
+# Claude Code's metadata.user_id: "user_<hash>_account_<uuid>_session_<uuid>".
+CLAUDE_SESSION_MARK = "_session_"
+BILLING_MARK = "x-anthropic-billing-header"  # rotates per request: kept out of every hash
+
+# ---- rule 4: content ------------------------------------------------------------------------
+
+# A raw prompt (/completion) has no first user message; its stable part is a prefix. The
+# prefix length equals the default small-request threshold (slotkeeper_small_request_chars):
+# every prompt that claims a slot is at least this long, so its key never changes as the
+# conversation grows. Shorter prompts are side requests and claim no slot.
+PROMPT_KEY_CHARS = 2000
+
+SYSTEM_ROLES = frozenset({"system", "developer"})
+
+# Keys whose values are not prompt text (or change between turns, like cache_control).
+NOT_PROMPT_TEXT = frozenset({
+    "role", "type", "id", "call_id", "tool_call_id", "tool_use_id", "cache_control", "status",
+    "signature", "encrypted_content", "index",
+})
+MAX_DEPTH = 32  # deeper structures are ignored: real payloads nest < 10 levels
+
+# ---- normalisation --------------------------------------------------------------------------
+
+MAX_ID_CHARS = 128
+READABLE_CHARS = 48
+ID_HASH_HEX = 16
+# Printable ASCII without space (ids go into headers and log lines), "/" (the parent/child
+# separator) and "~" (marks a hashed id, so a verbatim id can never look like one).
+SAFE_ID_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F)) - {"/", "~"}
+
+DEFAULT_SESSION = "default"
+
+
+@dataclass(frozen=True)
+class _Found:
+    session_id: str  # normalised
+    rule: str
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """What identify needs from a request body, whatever its API."""
+
+    model: str = ""
+    system_parts: tuple[str, ...] = ()  # system text as sent (billing block included)
+    first_user_parts: tuple[str, ...] = ()
+    raw_prompt: str | None = None  # /completion, /infill: the prompt text in server order
+    tools: Any = None  # canonical tools, or None
+    tools_chars: int = 0
+    message_chars: int = 0
+    message_count: int = 0
+
+
+def identify(path: str, headers: Mapping[str, str], body: object,
+             config: IdentityConfig = IdentityConfig()) -> Identity:
+    """The session of one completion request. Never raises, whatever the input."""
+    header_values = _lowercase_headers(headers)
+    prompt = _read_prompt(path, body)
+    own = _from_headers(header_values, config) or _from_body(body)
+    session, rule, parent = _resolve_children(own, header_values, prompt, config)
+    system_chars = sum(len(part) for part in prompt.system_parts) + prompt.tools_chars
+    return Identity(
+        session_id=session,
+        rule=rule,
+        parent_id=parent,
+        prompt_chars=system_chars + prompt.message_chars,
+        message_count=prompt.message_count,
+        seed_key=_seed_key(prompt),
+        system_chars=system_chars,
+    )
+
+
+# ---- normalisation --------------------------------------------------------------------------
+
+def _normalise_id(raw: str) -> str:
+    """A client id as it may appear in headers, logs and the API: verbatim when it is 1-128
+    safe characters (and not just dots, which name directories); otherwise
+    "<readable prefix>~<sha256[:16]>", unique and deterministic. Never empty."""
+    text = raw.strip()
+    if 0 < len(text) <= MAX_ID_CHARS and all(c in SAFE_ID_CHARS for c in text) \
+            and text.strip(".") != "":
+        return text
+    readable = "".join(c if c in SAFE_ID_CHARS else "_" for c in text[:READABLE_CHARS])
+    return f"{readable}~{_sha256(text)[:ID_HASH_HEX]}"
+
+
+def _sha256(text: str) -> str:
+    # surrogatepass: header values decoded with surrogateescape (mitmproxy) and JSON "\ud800"
+    # escapes hold lone surrogates, which plain utf-8 refuses to encode.
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _id_text(value: object) -> str | None:
+    """A usable id value: a non-blank string, or an int (chat ids are sometimes numbers).
+    Booleans, floats, dicts and lists never name a session."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return _int_text(value)
+    if isinstance(value, str) and value.strip():
+        return value
+    return None
+
+
+def _int_text(value: int) -> str:
+    # str() refuses ints over 4300 digits (CPython's conversion limit); hex has no limit.
+    return str(value) if value.bit_length() <= 10_000 else hex(value)
+
+
+# ---- rule 1: headers ------------------------------------------------------------------------
+
+def _lowercase_headers(headers: object) -> dict[str, str]:
+    """Header values by lower-case name. Repeated names are joined with ", " as mitmproxy's
+    Headers does, so a plain dict and a Headers object give the same answer."""
+    values: dict[str, str] = {}
+    items = headers.items() if isinstance(headers, Mapping) else ()
+    for name, value in items:
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "surrogateescape")
+        if not isinstance(name, str) or not isinstance(value, str):
+            continue
+        key = name.strip().lower()
+        values[key] = f"{values[key]}, {value}" if key in values else value
+    return values
+
+
+def _header_id(header_values: Mapping[str, str], name: str) -> str | None:
+    return _id_text(header_values.get(name))
+
+
+def _from_headers(header_values: Mapping[str, str], config: IdentityConfig) -> _Found | None:
+    extra = config.extra_headers if isinstance(config.extra_headers, (tuple, list)) else ()
+    names = SESSION_HEADERS + tuple(n.strip().lower() for n in extra if isinstance(n, str))
+    for name in names:
+        value = _header_id(header_values, name)
+        if value is not None:
+            return _Found(_normalise_id(value), f"header {name}")
+    return None
+
+
+# ---- rule 2: body ---------------------------------------------------------------------------
+
+def _from_body(body: object) -> _Found | None:
+    if not isinstance(body, dict):
+        return None
+    for field in ("session_id", "conversation_id", "chat_id"):
+        value = _id_text(body.get(field))
+        if value is not None:
+            return _Found(_normalise_id(value), f"body {field}")
+    chat_id = _chat_id(body.get("id"))
+    if chat_id is not None:
+        return _Found(_normalise_id(chat_id), "body id")
+    value = _id_text(body.get("prompt_cache_key"))
+    if value is not None:
+        return _Found(_normalise_id(value), "body prompt_cache_key")
+    metadata = body.get("metadata")
+    user_id = _id_text(metadata.get("user_id")) if isinstance(metadata, dict) else None
+    if user_id is not None:
+        return _Found(_normalise_id(_claude_session(user_id)), "body metadata.user_id")
+    value = _id_text(body.get("user"))
+    if value is not None:
+        return _Found(_normalise_id(value), "body user")
+    return None
+
+
+def _chat_id(value: object) -> str | None:
+    """A top-level "id" names a chat (the Vercel AI SDK's useChat posts {id: chatId, ...})
+    unless it is an API object id, which names a single request or reply."""
+    text = _id_text(value)
+    if text is None or text.strip().startswith(OBJECT_ID_PREFIXES):
+        return None
+    return text
+
+
+def _claude_session(user_id: str) -> str:
+    """The session inside Claude Code's metadata.user_id: "..._session_<uuid>", or a JSON
+    object with "session_id" (newer releases). Anything else is used whole."""
+    text = user_id.strip()
+    if text.startswith("{"):
+        try:
+            decoded = json.loads(text)
+        except (ValueError, RecursionError):
+            decoded = None
+        if isinstance(decoded, dict):
+            session = _id_text(decoded.get("session_id"))
+            if session is not None:
+                return session
+        return user_id
+    _, mark, tail = text.rpartition(CLAUDE_SESSION_MARK)
+    if mark and tail and all(c.isascii() and (c.isalnum() or c == "-") for c in tail):
+        return tail
+    return user_id
+
+
+# ---- rule 3: children -----------------------------------------------------------------------
+
+def _resolve_children(own: _Found | None, header_values: Mapping[str, str], prompt: _Prompt,
+                      config: IdentityConfig) -> tuple[str, str, str | None]:
+    """(session, rule, parent) once subagent headers are applied to the client's own id."""
+    relation = (_claude_child(own, header_values, prompt)
+                or _codex_child(own, header_values, prompt)
+                or _opencode_child(own, header_values, prompt))
+    if relation is None:
+        found = own or _from_content(prompt)
+        return found.session_id, found.rule, None
+    parent, child = relation
+    if parent.session_id == child.session_id:  # a client naming itself as its own parent
+        found = own or child
+        return found.session_id, found.rule, None
+    if config.children_share_parent:
+        return parent.session_id, f"{parent.rule} (shared with child: {child.rule})", None
+    return (f"{parent.session_id}/{child.session_id}", f"{child.rule} (child of {parent.rule})",
+            parent.session_id)
+
+
+def _claude_child(own: _Found | None, header_values: Mapping[str, str],
+                  prompt: _Prompt) -> tuple[_Found, _Found] | None:
+    """Claude Code keeps X-Claude-Code-Session-Id on subagent requests and adds the agent's
+    own stable id: the session is the parent, the agent id the child. Parent-Agent-Id is not
+    used as the parent: the main agent sends no agent id, so it may name a session that never
+    exists, and agent ids are unique within a session at any depth."""
+    agent = _header_id(header_values, CLAUDE_AGENT)
+    if own is None or (agent is None and _header_id(header_values, CLAUDE_PARENT_AGENT) is None):
+        return None
+    child = (_Found(_normalise_id(agent), f"header {CLAUDE_AGENT}") if agent is not None
+             else _from_content(prompt))
+    return own, child
+
+
+def _codex_child(own: _Found | None, header_values: Mapping[str, str],
+                 prompt: _Prompt) -> tuple[_Found, _Found] | None:
+    """Codex gives a spawned thread the root's session-id and its own thread-id (the root
+    sends both equal), plus x-codex-parent-thread-id. Older releases gave each subagent its
+    own session_id and named the parent only in x-codex-parent-thread-id."""
+    thread = _header_id(header_values, CODEX_THREAD)
+    if own is not None and thread is not None and _normalise_id(thread) != own.session_id:
+        return own, _Found(_normalise_id(thread), f"header {CODEX_THREAD}")
+    return _named_parent(own, header_values, CODEX_PARENT_THREAD, prompt)
+
+
+def _opencode_child(own: _Found | None, header_values: Mapping[str, str],
+                    prompt: _Prompt) -> tuple[_Found, _Found] | None:
+    """OpenCode: the request's own session headers name the child session; x-parent-session-id
+    names its parent."""
+    return _named_parent(own, header_values, OPENCODE_PARENT, prompt)
+
+
+def _named_parent(own: _Found | None, header_values: Mapping[str, str], parent_header: str,
+                  prompt: _Prompt) -> tuple[_Found, _Found] | None:
+    parent = _header_id(header_values, parent_header)
+    if parent is None:
+        return None
+    return (_Found(_normalise_id(parent), f"header {parent_header}"),
+            own or _from_content(prompt))
+
+
+# ---- rules 4 and 5: content, system, default ------------------------------------------------
+
+def _from_content(prompt: _Prompt) -> _Found:
+    system = _hashable_system(prompt.system_parts)
+    if prompt.raw_prompt:
+        material = {"model": prompt.model, "prompt": prompt.raw_prompt[:PROMPT_KEY_CHARS]}
+        return _Found(f"content-{_digest(material)[:ID_HASH_HEX]}", "content")
+    if any(prompt.first_user_parts):
+        material = {"model": prompt.model, "system": system, "first": prompt.first_user_parts}
+        return _Found(f"content-{_digest(material)[:ID_HASH_HEX]}", "content")
+    if system:
+        return _Found(f"sys-{_digest({'model': prompt.model, 'system': system})[:ID_HASH_HEX]}",
+                      "system")
+    return _Found(DEFAULT_SESSION, "default")
+
+
+def _seed_key(prompt: _Prompt) -> str | None:
+    system = _hashable_system(prompt.system_parts)
+    if not system and not prompt.tools:
+        return None
+    return _digest({"model": prompt.model, "system": system, "tools": prompt.tools})
+
+
+def _hashable_system(parts: tuple[str, ...]) -> tuple[str, ...]:
+    """The system parts without Claude Code's billing line, which changes on every request.
+    Only its line goes: a bridge may have merged it into one string with the real prompt."""
+    kept = []
+    for part in parts:
+        if part.lstrip().startswith(BILLING_MARK):
+            part = part.lstrip().partition("\n")[2]
+        if part:
+            kept.append(part)
+    return tuple(kept)
+
+
+def _digest(material: object) -> str:
+    # ensure_ascii: lone surrogates become \ud800 escapes instead of failing to encode.
+    text = json.dumps(material, ensure_ascii=True, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+# ---- reading request bodies -----------------------------------------------------------------
+
+ANTHROPIC_ROUTES = frozenset({"/v1/messages", "/messages"})
+CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions"})
+RESPONSES_ROUTES = frozenset({"/v1/responses", "/responses"})
+COMPLETION_ROUTES = frozenset({"/completion", "/completions", "/v1/completions"})
+INFILL_ROUTES = frozenset({"/infill"})
+INFILL_FIELDS = ("input_extra", "input_prefix", "input_suffix")
+
+
+def _read_prompt(path: object, body: object) -> _Prompt:
+    """The route decides which fields the server prefills (a stray "prompt" on a chat
+    request is ignored by the server, so here too); an unknown route goes by the body."""
+    if not isinstance(body, dict):
+        return _Prompt()
+    kind = _api_kind(path, body)
+    if kind == "anthropic":
+        return _read_conversation(body, _system_field(body.get("system")), body.get("messages"))
+    if kind == "chat":
+        return _read_conversation(body, (), body.get("messages"))
+    if kind == "responses":
+        return _read_responses(body)
+    if kind == "completion":
+        return _read_raw(body, _prompt_text(body.get("prompt")))
+    if kind == "infill":
+        return _read_raw(body, _infill_text(body))
+    return _Prompt(model=_model(body))
+
+
+def _api_kind(path: object, body: dict) -> str:
+    route = path.split("?", 1)[0] if isinstance(path, str) else ""
+    if len(route) > 1 and route.endswith("/"):
+        route = route[:-1]
+    for routes, kind in ((ANTHROPIC_ROUTES, "anthropic"), (CHAT_ROUTES, "chat"),
+                         (RESPONSES_ROUTES, "responses"), (COMPLETION_ROUTES, "completion"),
+                         (INFILL_ROUTES, "infill")):
+        if route in routes:
+            return kind
+    if "messages" in body:
+        return "anthropic" if "system" in body else "chat"
+    if "input" in body or "instructions" in body:
+        return "responses"
+    if any(field in body for field in INFILL_FIELDS):
+        return "infill"
+    if "prompt" in body:
+        return "completion"
+    return "none"
+
+
+def _model(body: dict) -> str:
+    return _id_text(body.get("model")) or ""
+
+
+def _read_conversation(body: dict, top_system: tuple[str, ...], messages: object,
+                       leading: tuple[str, ...] = ()) -> _Prompt:
+    """Anthropic and chat: system text = top-level `system` + the leading run of
+    system/developer messages (a later one is not part of a stable prefix)."""
+    items = messages if isinstance(messages, list) else []
+    system_parts = list(top_system) + list(leading)
+    start = 0
+    while start < len(items) and _role(items[start]) in SYSTEM_ROLES:
+        system_parts.extend(_texts(items[start].get("content")))
+        start += 1
+    rest = items[start:]
+    tools, tools_chars = _tools(body.get("tools"))
+    return _Prompt(
+        model=_model(body),
+        system_parts=tuple(system_parts),
+        first_user_parts=_first_user_parts(rest),
+        tools=tools,
+        tools_chars=tools_chars,
+        message_chars=sum(len(text) for text in _texts(rest)),
+        message_count=len(items),
+    )
+
+
+def _read_responses(body: dict) -> _Prompt:
+    instructions = body.get("instructions")
+    leading = (instructions,) if isinstance(instructions, str) and instructions else ()
+    given = body.get("input")
+    if isinstance(given, str):
+        tools, tools_chars = _tools(body.get("tools"))
+        return _Prompt(model=_model(body), system_parts=leading,
+                       first_user_parts=(given,) if given else (), tools=tools,
+                       tools_chars=tools_chars, message_chars=len(given),
+                       message_count=1 if given else 0)
+    return _read_conversation(body, (), given, leading)
+
+
+def _read_raw(body: dict, text: str) -> _Prompt:
+    return _Prompt(model=_model(body), raw_prompt=text, message_chars=len(text),
+                   message_count=1 if text else 0)
+
+
+def _role(message: object) -> str | None:
+    role = message.get("role") if isinstance(message, dict) else None
+    return role if isinstance(role, str) else None  # a list or dict role is not hashable
+
+
+def _first_user_parts(messages: list) -> tuple[str, ...]:
+    """The first user message's text; with no user message, the first message of any role."""
+    dicts = [m for m in messages if isinstance(m, dict)]
+    first = next((m for m in dicts if m.get("role") == "user"), dicts[0] if dicts else None)
+    return tuple(_texts(first.get("content"))) if first is not None else ()
+
+
+def _system_field(system: object) -> tuple[str, ...]:
+    """Anthropic's top-level `system`: a string or a list of text blocks."""
+    return tuple(_texts(system))
+
+
+def _texts(value: object, depth: int = 0) -> Iterator[str]:
+    """Every piece of prompt text in a message or content value, in a canonical order (dict
+    keys sorted, so a client that rebuilds its objects in another key order hashes the
+    same), skipping metadata such as roles, ids and cache_control markers."""
+    if isinstance(value, str):
+        yield value
+    elif depth >= MAX_DEPTH:
+        return
+    elif isinstance(value, dict):
+        for key in sorted(k for k in value if isinstance(k, str)):
+            if key not in NOT_PROMPT_TEXT:
+                yield from _texts(value[key], depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _texts(item, depth + 1)
+
+
+def _tools(tools: object) -> tuple[Any, int]:
+    """(canonical tools, characters of their JSON); (None, 0) when there are none."""
+    if not isinstance(tools, list) or not tools:
+        return None, 0
+    canonical = _canonical(tools)
+    text = json.dumps(canonical, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return canonical, len(text)
+
+
+def _canonical(value: object, depth: int = 0) -> Any:
+    """A JSON-safe copy for hashing: string keys only, no cache_control (its placement moves
+    between requests), bounded depth, ints json can always print."""
+    if isinstance(value, (str, bool, float)) or value is None:
+        return value
+    if isinstance(value, int):
+        return value if value.bit_length() <= 10_000 else hex(value)
+    if depth >= MAX_DEPTH:
+        return "<deep>"
+    if isinstance(value, dict):
+        return {k: _canonical(v, depth + 1) for k, v in value.items()
+                if isinstance(k, str) and k != "cache_control"}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(item, depth + 1) for item in value]
+    return f"<{type(value).__name__}>"
+
+
+def _prompt_text(prompt: object, depth: int = 0) -> str:
+    """A raw prompt as text: a string, token ids (each as its decimal text and a space, about
+    as many characters as the text it encodes), a list of those, or llama-server's
+    {"prompt_string": ...} object."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, bool):
+        return ""
+    if isinstance(prompt, int):
+        return _int_text(prompt) + " "
+    if depth >= MAX_DEPTH:
+        return ""
+    if isinstance(prompt, list):
+        return "".join(_prompt_text(item, depth + 1) for item in prompt)
+    if isinstance(prompt, dict):
+        return _prompt_text(prompt.get("prompt_string"), depth + 1)
+    return ""
+
+
+def _infill_text(body: dict) -> str:
+    """/infill text in the order the server lays it out: extra context chunks, prefix,
+    suffix, then the middle (`prompt`)."""
+    extra = "".join(_texts(body.get("input_extra")))
+    pieces = [body.get("input_prefix"), body.get("input_suffix")]
+    return extra + "".join(p for p in pieces if isinstance(p, str)) + _prompt_text(
+        body.get("prompt"))

@@ -1,0 +1,89 @@
+"""Fixtures for the real-process tests. A missing llama-server binary or model makes those
+tests fail (never skip): CI must not count a skipped integration test as a pass."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testbed import LlamaServer, Proxy, llama_server_binary, model_file
+
+# Tests using any of these need the real binary and model: they get the `real` marker, so
+# `-m "not real"` runs the fast tests alone.
+REAL_FIXTURES = {"llama_bin", "model_path", "llama", "make_llama", "make_proxy"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real)
+
+
+def _required(path: Path, what: str) -> Path:
+    if not path.is_file():
+        pytest.fail(f"{what} not found at {path}: run scripts/test (it builds and fetches both) "
+                    f"or set SLOTKEEPER_LLAMA_SERVER / SLOTKEEPER_MODEL", pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_bin() -> Path:
+    return _required(llama_server_binary(), "llama-server")
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return _required(model_file(), "the model")
+
+
+@pytest.fixture(scope="session")
+def llama(llama_bin: Path, model_path: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    """One llama-server (-np 4, 4096 tokens per slot, slot files under tmp) for the whole run:
+    starting one takes about a second, but tests that kill or restart it must use make_llama."""
+    workdir = tmp_path_factory.mktemp("llama")
+    server = LlamaServer(workdir, slot_save_path=workdir / "slots", binary=llama_bin,
+                         model=model_path).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def make_llama(llama_bin: Path, model_path: Path,
+               tmp_path: Path) -> Iterator[Callable[..., LlamaServer]]:
+    """make_llama(**LlamaServer kwargs) -> a started server of this test, stopped at its end."""
+    servers: list[LlamaServer] = []
+
+    def make(**kwargs: Any) -> LlamaServer:
+        kwargs.setdefault("binary", llama_bin)
+        kwargs.setdefault("model", model_path)
+        server = LlamaServer(tmp_path / f"llama{len(servers)}", **kwargs)
+        servers.append(server)
+        return server.start()
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def make_proxy(tmp_path: Path) -> Iterator[Callable[..., Proxy]]:
+    """make_proxy(upstream, *, script=None, port=None, **options) -> a started mitmdump with
+    the addon in front of `upstream` (a URL or a LlamaServer), each option as `--set`; stopped
+    at the end of the test. Each proxy has its own folder, so its own state file."""
+    proxies: list[Proxy] = []
+
+    def make(upstream: str | LlamaServer, *, script: Path | None = None,
+             port: int | None = None, **options: Any) -> Proxy:
+        url = upstream.url if isinstance(upstream, LlamaServer) else upstream
+        proxy = Proxy(url, tmp_path / f"proxy{len(proxies)}", options=options, script=script,
+                      port=port)
+        proxies.append(proxy)
+        return proxy.start()
+
+    yield make
+    for proxy in proxies:
+        proxy.stop()
