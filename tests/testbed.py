@@ -261,7 +261,8 @@ def chat(url: str, messages: list[dict[str, Any]], session_headers: Mapping[str,
         if not stream:
             return response.json()
         events: list[dict[str, Any]] = []
-        for line in response.iter_lines(decode_unicode=True):
+        for raw in response.iter_lines():  # bytes: SSE is UTF-8 whatever the headers say
+            line = raw.decode()
             if not line.startswith("data: "):
                 continue  # blank separators and SSE comments (pings)
             if line == "data: [DONE]":

@@ -5,7 +5,8 @@ with the options of mitm.conf. When no upstream is given and nothing answers on 
 loopback upstream, it first starts a local llama-server with the small test model, so that a
 bare `slotkeeper` works out of a checkout.
 
-`slotkeeper status` is the place for the session/slot report (not written yet).
+`slotkeeper status [--proxy URL] [--json]` reports upstreams, slots and saved sessions
+(slotkeeper/status.py).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def load_conf(path: Path) -> dict[str, Scalar | list[Scalar]]:
     return data
 
 
-def set_args(name: str, value: Scalar | Sequence[Scalar]) -> list[str]:
+def set_args(name: str, value: Scalar | list[Scalar] | tuple[Scalar, ...]) -> list[str]:
     """`--set` arguments for one option. mitmproxy groups every `--set name=...` of one name:
     a list option takes them all (so a list is one `--set` per item), and `--set name` with no
     value is the empty list, or None for an optional option."""
@@ -429,8 +430,9 @@ def launch(argv: Sequence[str]) -> int:
 
 
 def status(argv: Sequence[str]) -> int:
-    print("status: not implemented yet", file=sys.stderr)
-    return 2
+    from .status import main as status_main  # imports requests, not mitmproxy: stays fast
+
+    return status_main(argv)
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"status": status}

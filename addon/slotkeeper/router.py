@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import choice
+from . import choice, metrics
 from .bodies import Timings
 from .choice import SlotView
 from .identity import Identity
@@ -219,6 +219,7 @@ class Router:
     def _fallback(self, url: str, info: UpstreamInfo, ident: Identity, why: str) -> Route:
         count = (info.props.total_slots if info.props else 0) or self.config.slot_count
         slot = choice.fallback_slot(ident.session_id, count)
+        metrics.fallback(why)
         if slot is None:
             return Route(url, ident.session_id, ident.rule, None, UNPINNED,
                          detail=f"{why}; slot count unknown")
@@ -314,6 +315,7 @@ class Router:
         detail = "small request, slot not claimed"
         if rec is not None and not rec.stale:
             saved = self._save_if_worth(url, info, slot, rec, _tokens_in(slots, slot))
+            metrics.eviction("side", saved)
             self._mark_stale(url, slot, rec.owner)
             detail += f"; {rec.owner} will be restored" if saved else f"; displaced {rec.owner}"
         return Route(url, ident.session_id, ident.rule, slot, SIDE, detail=detail, lease=lease)
@@ -328,7 +330,9 @@ class Router:
         session = ident.session_id
         notes: list[str] = []
         if previous is not None and previous.owner != session and not previous.stale:
-            if self._save_if_worth(url, info, slot, previous, live_tokens):
+            saved = self._save_if_worth(url, info, slot, previous, live_tokens)
+            metrics.eviction("session", saved)
+            if saved:
                 notes.append(f"saved {previous.owner}")
         action, restored = ASSIGNED, 0
         if self.folder is not None and info.props is not None:
@@ -345,13 +349,16 @@ class Router:
                     action = SEEDED if restored else ASSIGNED
         if not restored and self.config.erase_on_handover:
             try:
-                info.client.erase(slot)
+                with metrics.timed("erase"):
+                    info.client.erase(slot)
             except UpstreamError as e:
                 notes.append(f"erase failed ({e})")
         if (not restored and self.seeds is not None and ident.seed_key is not None
                 and body is not None):
+            started = time.monotonic()
             built = self.seeds.build(url, info, slot, ident, path, body)
             if built:
+                metrics.seed_built(built, time.monotonic() - started)
                 action, restored = SEEDED, built
                 notes.append(f"built seed of {built:,} tokens")
         self._mark_fresh(url, slot, session, restored)
@@ -372,13 +379,16 @@ class Router:
             answer = info.client.restore(slot, file_name_for(session))
         except UpstreamError as e:
             notes.append(f"{what or 'snapshot'} restore failed ({e})")
+            metrics.slot_op("restore", ok=False)
             try:
-                info.client.erase(slot)
+                with metrics.timed("erase"):
+                    info.client.erase(slot)
             except UpstreamError:
                 pass
             return 0
         restored = int(answer.get("n_restored", 0))
         ms = (time.monotonic() - t0) * 1000
+        metrics.slot_op("restore", seconds=ms / 1000, nbytes=answer.get("n_read"), tokens=restored)
         notes.append(f"restored {what + ' of ' if what else ''}{restored:,} tokens in {ms:.0f} ms")
         self._touch(session)
         return restored
@@ -413,12 +423,17 @@ class Router:
         assert self.folder is not None and info.props is not None
         name = file_name_for(owner)
         old = self.folder.read_meta(owner)
-        self.folder.make_room(old.size_bytes if old else 0, keep={owner})
+        # Room for the new file before writing it: its old size, or for a first save the
+        # largest snapshot there is (sizes are not linear in tokens, so no per-token guess).
+        expected = old.size_bytes if old else max(
+            (m.size_bytes for m in self.folder.list_sessions()), default=0)
+        self.folder.make_room(expected, keep={owner})
         t0 = time.monotonic()
         try:
             answer = info.client.save(slot, name)
         except UpstreamError as e:
             log.warning("save of %s from slot %d failed: %s", owner, slot, e)
+            metrics.slot_op("save", ok=False)
             self.folder.discard_partial(owner)
             return 0
         n_saved = int(answer.get("n_saved", 0))
@@ -427,10 +442,12 @@ class Router:
         if not ok:
             # A full disk truncates the file while its header still claims every token.
             log.warning("save of %s from slot %d is unusable (%s): removed", owner, slot, why)
+            metrics.slot_op("save", ok=False)
             self.folder.discard_partial(owner)
             return 0
         now = self.clock()
         size = self.folder.state_path(owner).stat().st_size
+        metrics.slot_op("save", seconds=time.monotonic() - t0, nbytes=size, tokens=n_saved)
         self.folder.secure(owner)
         self.folder.write_meta(SessionMeta(
             session_id=owner, kind=kind, file_name=name,
@@ -445,6 +462,7 @@ class Router:
                 rec.saved_tokens = n_saved
 
         self.state.update(note_saved)
+        self.folder.make_room(0, keep={owner})  # the estimate may have been low
         log.info("saved %s from slot %d: %d tokens, %d bytes in %.0f ms", owner, slot, n_saved,
                  size, (time.monotonic() - t0) * 1000)
         return n_saved
@@ -515,6 +533,7 @@ class Router:
         if route.action == SEEDED and route.seed_key is not None:
             snapshot = seed_id(route.seed_key)
         misses = self.folder.record_miss(snapshot)
+        metrics.restore_miss("seed" if snapshot != route.session else "session")
         log.warning("restore of %s was not reused (cache_n %d of %d): miss %d", snapshot,
                     timings.cache_n, route.restored_tokens, misses)
 
@@ -689,7 +708,8 @@ class SessionAdmin:
             raise SlotBusy(f"slot {slot} of {url} stayed busy for {ADMIN_LOCK_TIMEOUT:.0f} s")
         try:
             try:
-                router.upstream(url).client.erase(slot)
+                with metrics.timed("erase"):
+                    router.upstream(url).client.erase(slot)
             except UpstreamError as e:
                 log.warning("erase of slot %d on %s failed: %s", slot, url, e)
 
