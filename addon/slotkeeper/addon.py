@@ -12,9 +12,10 @@ from pathlib import Path
 
 from mitmproxy import ctx, exceptions, http
 
-from . import bodies
+from . import bodies, metrics
 from .api import SessionApi
 from .bodies import BodyError, SseTimingsWatcher, Timings
+from .contentview import MitmwebView, outcome_words
 from .identity import Identity, IdentityConfig, identify
 from .locks import SlotLocks
 from .router import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, UNPINNED, Route,
@@ -194,6 +195,7 @@ class SlotKeeper:
             bodies.check_cache_prompt(data)
         except BodyError as e:
             flow.response = error_response(400, str(e))
+            metrics.request(flow.request.path, "rejected")
             return
         ident = identify(flow.request.path, flow.request.headers, data, self.identity_config)
         route = await self._route(flow, ident, client_slot, data)
@@ -204,6 +206,7 @@ class SlotKeeper:
         pinned_slot = route.slot if route.action != CLIENT else None
         write_body(flow, bodies.pin(data, pinned_slot))
         describe(flow, ident, route)
+        metrics.routed(flow.request.path, route)
         log.info("%s (%s) -> slot %s, %s%s in %.1f ms", route.session, route.rule,
                  route.slot, route.action, f" ({route.detail})" if route.detail else "",
                  route.ms)
@@ -252,6 +255,7 @@ class SlotKeeper:
         if route is None or self.router is None:
             return
         timings = self._timings(flow)
+        metrics.timings(route.upstream, timings)
         if timings is not None:
             flow.metadata[SUMMARY_KEY].update(reused=timings.cache_n, prefilled=timings.prompt_n)
             flow.comment += f", reused {timings.cache_n:,}, prefilled {timings.prompt_n:,}"
@@ -351,10 +355,8 @@ def write_body(flow: http.HTTPFlow, body: bytes) -> None:
 def describe(flow: http.HTTPFlow, ident: Identity, route: Route) -> None:
     """The flow comment (a column in mitmweb), its marker and metadata."""
     slot = "unpinned" if route.slot is None else f"slot {route.slot}"
-    comment = f"{route.session} ({route.rule}) -> {slot}, {route.action}"
-    if route.detail:
-        comment += f", {route.detail}"
-    flow.comment = comment
+    flow.comment = (f"{route.session} ({route.rule}) -> {slot}, "
+                    f"{outcome_words(route.action, route.detail)}")
     flow.marked = MARKERS.get(route.action, "")
     flow.metadata[SUMMARY_KEY] = {
         "session": route.session,
@@ -373,6 +375,7 @@ def note_pass_through(flow: http.HTTPFlow, why: str, marker: str = UNPINNED) -> 
     flow.comment = f"passed through unchanged: {why}"
     flow.marked = MARKERS[marker]
     flow.metadata[SUMMARY_KEY] = {"action": "passed through", "why": why}
+    metrics.request(flow.request.path, "error" if marker == "error" else "passed_through")
     log.info("%s %s passed through unchanged: %s", flow.request.method, flow.request.path, why)
 
 
@@ -383,7 +386,7 @@ def error_response(status: int, message: str) -> http.Response:
 
 def make_addons() -> list:
     keeper = SlotKeeper()
-    return [keeper, SessionApi(keeper)]
+    return [keeper, SessionApi(keeper), metrics.MetricsEndpoint(keeper), MitmwebView()]
 
 
 addons = make_addons()

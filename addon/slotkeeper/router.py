@@ -7,6 +7,7 @@ threads."""
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -136,8 +137,9 @@ class Router:
         except SlotsUnavailable:
             slots = None
         if not info.checked:
-            _warn_about_settings(url, props, slots, self.folder is not None)
+            _warn_about_settings(url, props, slots, info.client.n_ctx_train())
         info.props, info.checked, info.suspect = props, True, False
+        info.client.slot_actions_disabled = False  # a restarted server may have the flag now
 
         def reconcile(doc: StateDoc) -> bool:
             up = doc.upstream(url)
@@ -329,6 +331,11 @@ class Router:
         one's snapshot if it can work, else its system prompt's seed, else start clean."""
         session = ident.session_id
         notes: list[str] = []
+        if info.client.slot_actions_disabled:
+            # No --slot-save-path: pinning still works, KV is neither saved nor restored.
+            self._mark_fresh(url, slot, session, 0)
+            return Route(url, session, ident.rule, slot, ASSIGNED, lease=lease,
+                         detail="server has no --slot-save-path")
         if previous is not None and previous.owner != session and not previous.stale:
             saved = self._save_if_worth(url, info, slot, previous, live_tokens)
             metrics.eviction("session", saved)
@@ -361,6 +368,10 @@ class Router:
                 metrics.seed_built(built, time.monotonic() - started)
                 action, restored = SEEDED, built
                 notes.append(f"built seed of {built:,} tokens")
+        if info.client.slot_actions_disabled:
+            log.warning("%s: llama-server answers save/restore/erase with 501: start it with "
+                        "--slot-save-path set to slotkeeper_slot_dir; sessions are pinned but "
+                        "not saved", url)
         self._mark_fresh(url, slot, session, restored)
         return Route(url, session, ident.rule, slot, action, detail="; ".join(notes),
                      lease=lease, restored_tokens=restored)
@@ -421,6 +432,8 @@ class Router:
                   messages: int, kind: str = "session") -> int:
         """Save the slot as `owner`'s snapshot and write its metadata; returns tokens saved."""
         assert self.folder is not None and info.props is not None
+        if info.client.slot_actions_disabled:
+            return 0
         name = file_name_for(owner)
         old = self.folder.read_meta(owner)
         # Room for the new file before writing it: its old size, or for a first save the
@@ -434,7 +447,11 @@ class Router:
         except UpstreamError as e:
             log.warning("save of %s from slot %d failed: %s", owner, slot, e)
             metrics.slot_op("save", ok=False)
-            self.folder.discard_partial(owner)
+            # A save that failed before writing (server down, no --slot-save-path) leaves the
+            # previous snapshot whole: keep it. One that failed while writing (disk full)
+            # leaves a file that no longer matches its metadata: remove it.
+            if not self._check(info, owner, message_count=sys.maxsize)[0]:
+                self.folder.discard_partial(owner)
             return 0
         n_saved = int(answer.get("n_saved", 0))
         ok, why = self.folder.verify_saved(owner, n_written=int(answer.get("n_written", -1)),
@@ -608,20 +625,22 @@ def _tokens_in(slots: list[SlotView], slot: int) -> int:
 
 
 def _warn_about_settings(url: str, props: ServerProps, slots: list[SlotView] | None,
-                         have_slot_dir: bool) -> None:
+                         n_ctx_train: int) -> None:
     """Settings that defeat slotkeeper, said once per upstream (and after a restart)."""
-    raw = props.raw
     if slots is None:
         log.warning("%s: GET /slots is disabled or failing (--no-slots?): slotkeeper can only "
                     "hash sessions over the slot count", url)
     if props.total_slots <= 1:
         log.warning("%s: the server has %d slot(s): start it with -np N, N >= concurrent "
                     "sessions", url, props.total_slots)
-    if raw.get("is_sleeping") is None and raw.get("kv_unified") is True:
-        log.warning("%s: unified KV cache (the default with automatic -np): slots share one "
-                    "cache; start llama-server with an explicit -np N", url)
-    if have_slot_dir and not raw.get("slot_save_path", True):
-        log.warning("%s: no --slot-save-path: sessions cannot be saved or restored", url)
+    elif n_ctx_train and props.n_ctx >= n_ctx_train:
+        # /props does not say whether the KV cache is unified. With an explicit -np the cache
+        # is split and each slot gets -c / N tokens; every slot holding the model's whole
+        # training context is what the automatic slot count with a unified cache looks like.
+        log.warning("%s: each of the %d slots has the full context (%d tokens): this looks like "
+                    "the automatic slot count with a unified KV cache, where idle slots are "
+                    "cleared into a RAM cache; start llama-server with an explicit -np N",
+                    url, props.total_slots, props.n_ctx)
 
 
 class SessionAdmin:

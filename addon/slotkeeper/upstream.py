@@ -17,6 +17,10 @@ class UpstreamError(Exception):
     """llama-server did not answer as expected; the message says what happened."""
 
 
+class SlotActionsDisabled(UpstreamError):
+    """save/restore/erase answered 501: the server runs without --slot-save-path."""
+
+
 class SlotsUnavailable(UpstreamError):
     """GET /slots is disabled (--no-slots), failing or too slow: fall back to hashing."""
 
@@ -44,6 +48,9 @@ class Upstream:
         self.timeout = timeout  # for /slots and /props: slower than this means fall back
         self.admin_timeout = admin_timeout  # save/restore wait while the slot finishes a request
         self._local = threading.local()  # requests.Session is not thread-safe: one per thread
+        # Set when save/restore/erase answered 501 (no --slot-save-path); reset when the
+        # server is verified again (it may come back with the flag).
+        self.slot_actions_disabled = False
 
     @property
     def _http(self) -> requests.Session:
@@ -80,6 +87,14 @@ class Upstream:
         except (TypeError, ValueError):
             raise UpstreamError("GET /props: unexpected field types") from None
 
+    def n_ctx_train(self) -> int:
+        """The model's training context (GET /v1/models meta), 0 when the server does not say."""
+        try:
+            data = self._get("/v1/models")
+            return _int(data["data"][0]["meta"]["n_ctx_train"])
+        except (UpstreamError, KeyError, IndexError, TypeError):
+            return 0
+
     def slots(self) -> list[SlotView]:
         try:
             data = self._get("/slots")
@@ -108,6 +123,9 @@ class Upstream:
             r = self._http.post(self.base_url + path, json=body, timeout=self.admin_timeout)
         except requests.RequestException as e:
             raise UpstreamError(f"POST {path}: {type(e).__name__}") from None
+        if r.status_code == 501 and path.startswith("/slots/"):
+            self.slot_actions_disabled = True
+            raise SlotActionsDisabled(f"POST {path}: llama-server runs without --slot-save-path")
         if r.status_code != 200:
             raise UpstreamError(f"POST {path}: HTTP {r.status_code} {r.text[:200]}")
         try:

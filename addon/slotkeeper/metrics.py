@@ -1,0 +1,308 @@
+"""Prometheus metrics: counted where things happen (router.py, addon.py call the one-line
+functions below) and served as `GET /metrics` by the proxy itself.
+
+The registry and every metric live in this module's globals. mitmproxy's script reload
+re-runs only the entry script (addon/slotkeeper_addon.py); this module stays in sys.modules,
+so counters survive a reload. Creating a metric is idempotent (looked up by name first), and
+the globals are reused if the module itself is reloaded, so nothing is registered twice.
+
+Every function here is safe to call from any thread and never raises into the caller for a
+bad value: metrics must not break routing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               ProcessCollector, generate_latest)
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from mitmproxy import http
+
+    from .addon import SlotKeeper
+    from .bodies import Timings
+    from .router import Route
+
+log = logging.getLogger("slotkeeper.metrics")
+
+PATH = "/metrics"
+# Prefill speed: an exponential moving average of prompt_ms / prompt_n over responses that
+# prefilled at least this many tokens (a handful of tokens is dominated by per-request
+# overhead, not by the prefill itself).
+EMA_ALPHA = 0.2
+EMA_MIN_TOKENS = 32
+# Slot operations take from a millisecond (erase, a small restore) to a minute (building the
+# seed of a long system prompt: ~150 tokens/s on the 2-core test machine).
+OP_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
+ROUTING_BUCKETS = (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1,
+                   2.5, 5, 10, 30, 60, 300, 600)
+OPERATIONS = ("save", "restore", "erase", "seed_build")
+
+
+
+def _kept(name: str, make: Any) -> Any:
+    """The value `name` had before this module was re-executed (importlib.reload), else new."""
+    return globals()[name] if name in globals() else make()
+
+
+REGISTRY: CollectorRegistry = _kept("REGISTRY", CollectorRegistry)
+_METRICS: dict[str, Any] = _kept("_METRICS", dict)
+_LOCK: threading.Lock = _kept("_LOCK", threading.Lock)
+# upstream -> seconds per prefilled token (EMA); upstream -> reused tokens not yet credited
+_SPEED: dict[str, float] = _kept("_SPEED", dict)
+_PENDING: dict[str, int] = _kept("_PENDING", dict)
+# The SlotKeeper whose router the scrape-time gauges read (the latest one loaded).
+_BOUND: dict[str, SlotKeeper] = _kept("_BOUND", dict)
+
+
+def _metric(kind: type, name: str, doc: str, labels: tuple[str, ...] = (), **kwargs: Any):
+    existing = _METRICS.get(name)
+    if existing is None:
+        existing = kind(name, doc, labels, registry=REGISTRY, **kwargs)
+        _METRICS[name] = existing
+    return existing
+
+
+REQUESTS = _metric(Counter, "slotkeeper_requests",
+                   "Completion requests by endpoint and routing outcome (kept, assigned, "
+                   "restored, seeded, side, client, fallback, unpinned, passed_through, "
+                   "rejected, error).", ("endpoint", "action"))
+ROUTING_SECONDS = _metric(Histogram, "slotkeeper_routing_seconds",
+                          "Time to decide a request's slot (including any save/restore "
+                          "handover), by action.", ("action",), buckets=ROUTING_BUCKETS)
+PROMPT_TOKENS = _metric(Counter, "slotkeeper_prompt_tokens",
+                        "Prompt tokens of routed requests, from the responses' timings: "
+                        "reused from the slot's KV (cache_n) or prefilled (prompt_n).",
+                        ("kind",))
+SECONDS_SAVED = _metric(Counter, "slotkeeper_prefill_seconds_saved",
+                        "Estimated prefill time saved: reused tokens times the measured "
+                        "prefill seconds per token (a moving average of recent responses).")
+SLOT_OPS = _metric(Counter, "slotkeeper_slot_operations",
+                   "Slot operations on llama-server (save, restore, erase, seed_build) by "
+                   "outcome.", ("operation", "outcome"))
+SLOT_OP_BYTES = _metric(Counter, "slotkeeper_slot_operation_bytes",
+                        "Bytes written by saves and read by restores.", ("operation",))
+SLOT_OP_TOKENS = _metric(Counter, "slotkeeper_slot_operation_tokens",
+                         "Tokens saved, restored, or prefilled into seeds.", ("operation",))
+SLOT_OP_SECONDS = _metric(Histogram, "slotkeeper_slot_operation_seconds",
+                          "Duration of successful slot operations.", ("operation",),
+                          buckets=OP_BUCKETS)
+RESTORE_MISSES = _metric(Counter, "slotkeeper_restore_misses",
+                         "Restored snapshots (or seeds) the server did not reuse.", ("kind",))
+EVICTIONS = _metric(Counter, "slotkeeper_evictions",
+                    "Sessions displaced from their slot, by what displaced them (another "
+                    "session's handover, or a side request) and whether their KV was saved "
+                    "first.", ("by", "saved"))
+FALLBACKS = _metric(Counter, "slotkeeper_fallbacks",
+                    "Requests hashed over the slot count (or left unpinned) because /slots "
+                    "was unusable, by reason.", ("reason",))
+
+for _op in OPERATIONS:  # zeros from the start, so rates work before the first event
+    for _outcome in ("ok", "failed"):
+        SLOT_OPS.labels(_op, _outcome)
+for _kind in ("reused", "prefilled"):
+    PROMPT_TOKENS.labels(_kind)
+
+
+# ---- observations (one-line calls from addon.py / router.py) ------------------------------
+
+def endpoint_of(path: str) -> str:
+    route = path.split("?", 1)[0]
+    return route[:-1] if len(route) > 1 and route.endswith("/") else route
+
+
+def request(path: str, action: str) -> None:
+    """A completion request that was not routed (passed through, rejected, or an error)."""
+    REQUESTS.labels(endpoint_of(path), action).inc()
+
+
+def routed(path: str, route: Route) -> None:
+    REQUESTS.labels(endpoint_of(path), route.action).inc()
+    ROUTING_SECONDS.labels(route.action).observe(max(route.ms, 0.0) / 1000)
+
+
+def timings(upstream: str, t: Timings | None) -> None:
+    """A routed response's timings: count its tokens, update the prefill speed estimate and
+    credit the reused tokens with the time they would have taken to prefill."""
+    if t is None:
+        return
+    cache_n, prompt_n = max(t.cache_n, 0), max(t.prompt_n, 0)
+    PROMPT_TOKENS.labels("reused").inc(cache_n)
+    PROMPT_TOKENS.labels("prefilled").inc(prompt_n)
+    with _LOCK:
+        speed = _SPEED.get(upstream)
+        if prompt_n >= EMA_MIN_TOKENS and t.prompt_ms > 0:
+            sample = t.prompt_ms / 1000 / prompt_n
+            speed = sample if speed is None else speed + EMA_ALPHA * (sample - speed)
+            _SPEED[upstream] = speed
+        if speed is None:  # no measurement yet: credit these at the first measured speed
+            _PENDING[upstream] = _PENDING.get(upstream, 0) + cache_n
+            return
+        credit = cache_n + _PENDING.pop(upstream, 0)
+    SECONDS_SAVED.inc(credit * speed)
+
+
+def slot_op(operation: str, ok: bool = True, seconds: float | None = None,
+            nbytes: int | None = None, tokens: int | None = None) -> None:
+    SLOT_OPS.labels(operation, "ok" if ok else "failed").inc()
+    if not ok:
+        return
+    if seconds is not None:
+        SLOT_OP_SECONDS.labels(operation).observe(max(seconds, 0.0))
+    if nbytes:
+        SLOT_OP_BYTES.labels(operation).inc(max(int(nbytes), 0))
+    if tokens:
+        SLOT_OP_TOKENS.labels(operation).inc(max(int(tokens), 0))
+
+
+@contextmanager
+def timed(operation: str) -> Iterator[None]:
+    """Count the block as one `operation`: ok with its duration, or failed if it raises."""
+    started = time.monotonic()
+    try:
+        yield
+    except BaseException:
+        slot_op(operation, ok=False)
+        raise
+    slot_op(operation, seconds=time.monotonic() - started)
+
+
+def seed_built(tokens: int, seconds: float) -> None:
+    slot_op("seed_build", seconds=seconds, tokens=tokens)
+
+
+def restore_miss(kind: str) -> None:
+    RESTORE_MISSES.labels(kind).inc()
+
+
+def eviction(by: str, saved: bool) -> None:
+    EVICTIONS.labels(by, "true" if saved else "false").inc()
+
+
+_REASONS = (("no slot could be locked", "lock_timeout"), ("reports no slots", "no_slots"))
+
+
+def fallback(why: str) -> None:
+    """`why` is free text (it may carry an exception message): mapped to a few reasons."""
+    reason = next((r for text, r in _REASONS if text in why), "slots_unavailable")
+    FALLBACKS.labels(reason).inc()
+
+
+def prefill_seconds_per_token(upstream: str) -> float | None:
+    with _LOCK:
+        return _SPEED.get(upstream)
+
+
+# ---- scrape-time gauges ------------------------------------------------------------------
+
+class _LiveCollector:
+    """Gauges read when scraped: slots per upstream from the state file, files and bytes in
+    the slot folder, the current prefill speed estimate."""
+
+    def describe(self):
+        return []  # no fixed description: collected fresh on each scrape
+
+    def collect(self):
+        keeper = _BOUND.get("keeper")
+        router = keeper.router if keeper is not None else None
+        owned = GaugeMetricFamily("slotkeeper_slots_owned",
+                                  "Slots claimed by a session, per upstream.", labels=["upstream"])
+        resident = GaugeMetricFamily("slotkeeper_slots_resident",
+                                     "Claimed slots whose KV is the owner's (not stale), per "
+                                     "upstream.", labels=["upstream"])
+        total = GaugeMetricFamily("slotkeeper_slots_total",
+                                  "Slots the upstream reports (/props total_slots).",
+                                  labels=["upstream"])
+        speed = GaugeMetricFamily("slotkeeper_prefill_seconds_per_token",
+                                  "Measured prefill seconds per token (moving average), per "
+                                  "upstream.", labels=["upstream"])
+        files = GaugeMetricFamily("slotkeeper_disk_files",
+                                  "slotkeeper's files in the slot folder (state files, "
+                                  "metadata, temp files).")
+        size = GaugeMetricFamily("slotkeeper_disk_bytes",
+                                 "Bytes of slotkeeper's files in the slot folder.")
+        if router is not None:
+            try:
+                doc = router.state.read()
+            except Exception as e:  # a scrape must answer even with a broken state file
+                log.warning("metrics: cannot read the state file: %s", e)
+                doc = None
+            urls = {url for url, _ in router.known_upstreams()}
+            urls |= set(doc.upstreams) if doc is not None else set()
+            for url in sorted(urls):
+                up = doc.upstreams.get(url) if doc is not None else None
+                recs = list(up.slots.values()) if up is not None else []
+                owned.add_metric([url], len(recs))
+                resident.add_metric([url], sum(1 for r in recs if not r.stale))
+            for url, info in router.known_upstreams():
+                if info.props is not None:
+                    total.add_metric([url], info.props.total_slots)
+            if router.folder is not None:
+                count, nbytes = router.folder.usage()
+                files.add_metric([], count)
+                size.add_metric([], nbytes)
+        with _LOCK:
+            for url, value in sorted(_SPEED.items()):
+                speed.add_metric([url], value)
+        return [owned, resident, total, speed, files, size]
+
+
+if "live" not in _METRICS:
+    _METRICS["live"] = _LiveCollector()
+    REGISTRY.register(_METRICS["live"])
+    ProcessCollector(registry=REGISTRY)  # process_cpu_seconds_total, resident memory, fds
+
+
+def bind(keeper: SlotKeeper) -> None:
+    _BOUND["keeper"] = keeper
+
+
+def render() -> bytes:
+    return generate_latest(REGISTRY)
+
+
+# ---- the endpoint ----------------------------------------------------------------------------
+
+_METRICS_PATH = re.compile(r"^/metrics/?$")
+
+
+class MetricsEndpoint:
+    """Answers `GET /metrics` on the proxy itself (like /api/sessions), so it works while
+    llama-server is down. It shadows llama-server's own /metrics (`--metrics`): scrape the
+    server directly for those."""
+
+    def __init__(self, keeper: SlotKeeper) -> None:
+        self.keeper = keeper
+
+    def load(self, loader) -> None:
+        bind(self.keeper)
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        from mitmproxy import http
+
+        if flow.response is not None or not _METRICS_PATH.match(
+                flow.request.path.split("?", 1)[0]):
+            return
+        flow.marked = ":bar_chart:"
+        flow.comment = "slotkeeper metrics"
+        if flow.request.method not in ("GET", "HEAD"):
+            flow.response = http.Response.make(405, b"GET /metrics\n",
+                                               {"Content-Type": "text/plain", "Allow": "GET"})
+            return
+        try:
+            # Reading the state file and listing the slot folder is blocking I/O.
+            body = await asyncio.get_running_loop().run_in_executor(None, render)
+        except Exception as e:
+            log.exception("rendering metrics failed")
+            flow.response = http.Response.make(500, f"{type(e).__name__}: {e}\n".encode(),
+                                               {"Content-Type": "text/plain"})
+            return
+        flow.response = http.Response.make(200, body, {"Content-Type": CONTENT_TYPE_LATEST})
