@@ -187,3 +187,14 @@ def test_session_api_lists_deletes_and_refuses_hostile_ids(make_llama, make_prox
     assert r.status_code == 200 and r.json()["erased"]
     assert next(iter(requests.get(proxy.url + "/api/sessions/current", timeout=10).json()
                      ["upstreams"].values()))["slots"] == {}
+
+
+def test_slot_dir_out_of_reach_pins_anyway_and_the_api_says_why(llama, make_proxy, tmp_path):
+    missing = tmp_path / "not-there"
+    proxy = make_proxy(llama, slotkeeper_slot_dir=str(missing), slotkeeper_small_request_chars=0)
+    turn = Conversation("no-dir", "Be brief.").ask(proxy.url, "hello")
+    assert turn.slot in {"0", "1", "2", "3"}
+    r = requests.get(proxy.url + "/api/sessions", timeout=10)
+    assert r.status_code == 409
+    assert str(missing) in r.json()["error"]["message"]
+    assert "pinned but not saved" in proxy.log_text()

@@ -62,6 +62,7 @@ class SlotKeeper:
     def __init__(self) -> None:
         self.router: Router | None = None
         self.identity_config = IdentityConfig()
+        self.slot_dir_problem = ""  # why sessions cannot be saved, shown by the session API
         self.max_body_bytes = 32 * 1024 * 1024
         # Blocking work (state-file lock, /slots, save/restore, slot-lock waits) runs here, off
         # the event loop. Waits for a busy slot can be long, so more threads than asyncio's
@@ -141,17 +142,25 @@ class SlotKeeper:
         state_path = (Path(opts.slotkeeper_state_file).expanduser() if opts.slotkeeper_state_file
                       else default_state_dir() / "state.json")
         folder = None
+        self.slot_dir_problem = ("slotkeeper_slot_dir is not set: set it to llama-server's "
+                                 "--slot-save-path to save and restore sessions")
         if opts.slotkeeper_slot_dir:
             slot_dir = Path(opts.slotkeeper_slot_dir).expanduser()
-            if not slot_dir.is_dir():
-                raise exceptions.OptionsError(
-                    f"slotkeeper_slot_dir {slot_dir} is not a folder (it must be llama-server's "
-                    f"--slot-save-path)")
-            folder = SlotFolder(slot_dir, max_bytes=opts.slotkeeper_disk_max_mb * 1024 * 1024,
-                                max_age_seconds=opts.slotkeeper_disk_max_age_hours * 3600)
-            swept = folder.sweep_orphans()
-            if swept:
-                log.info("removed %d orphaned files from %s", swept, slot_dir)
+            if not slot_dir.is_dir() or not os.access(slot_dir, os.R_OK | os.W_OK | os.X_OK):
+                # Pinning still works without it: say so loudly, and in the session API.
+                self.slot_dir_problem = (f"slotkeeper_slot_dir {slot_dir} is not a folder this "
+                                         f"process can read and write (it must be "
+                                         f"llama-server's --slot-save-path): sessions are "
+                                         f"pinned but not saved")
+                log.warning(self.slot_dir_problem)
+            else:
+                self.slot_dir_problem = ""
+                folder = SlotFolder(slot_dir,
+                                    max_bytes=opts.slotkeeper_disk_max_mb * 1024 * 1024,
+                                    max_age_seconds=opts.slotkeeper_disk_max_age_hours * 3600)
+                swept = folder.sweep_orphans()
+                if swept:
+                    log.info("removed %d orphaned files from %s", swept, slot_dir)
         try:
             state = StateFile(state_path)
             locks = SlotLocks(state_path.parent / "locks")

@@ -57,9 +57,7 @@ class SessionApi:
             result = await asyncio.get_running_loop().run_in_executor(
                 self.keeper.pool, func, *args)
         except NoSlotDir:
-            flow.response = error(409, "no slot folder: start slotkeeper with "
-                                       "slotkeeper_slot_dir set to llama-server's "
-                                       "--slot-save-path to save sessions")
+            flow.response = error(409, self.keeper.slot_dir_problem)
             return
         except SlotBusy as e:
             flow.response = error(409, str(e))
