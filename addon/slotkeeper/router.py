@@ -260,7 +260,8 @@ class Router:
             lease, slot = self._lock_first_free(url, ranking)
             if lease is None:
                 break
-            claimed = self._claim(url, slot, ident, expected=claims.get(slot))
+            claimed = self._claim(url, slot, ident, expected=claims.get(slot),
+                                  live_ids=live_ids)
             if claimed is None:
                 lease.release()
                 continue
@@ -276,16 +277,19 @@ class Router:
         best = ranking[0]
         return self.locks.acquire(url, best, True, self.config.lock_timeout), best
 
-    def _claim(self, url: str, slot: int, ident: Identity,
-               expected: choice.Claim | None) -> tuple[SlotRecord | None] | None:
+    def _claim(self, url: str, slot: int, ident: Identity, expected: choice.Claim | None,
+               live_ids: set[int]) -> tuple[SlotRecord | None] | None:
         """Write the claim. Refuse (None) when the slot was claimed by a live session after we
         ranked it, or when this session got a slot elsewhere meanwhile: the caller re-ranks."""
         now = self.clock()
 
         def change(doc: StateDoc) -> tuple[SlotRecord | None] | None:
             up = doc.upstream(url)
-            if up.slot_of(ident.session_id) not in (None, slot):
-                return None
+            other = up.slot_of(ident.session_id)
+            if other is not None and other != slot:
+                if other in live_ids:
+                    return None
+                del up.slots[other]  # a slot the server no longer has
             previous = up.slots.get(slot)
             if previous is not None and previous.claim() != expected and not choice.is_abandoned(
                 previous.claim(), now, self.config.ttl
