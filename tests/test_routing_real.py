@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import threading
 import time
 
 import requests
 
 from helpers import Conversation, interleave
-from testbed import long_system_prompt
+from testbed import (ADDON_SCRIPT, MITMDUMP, end_process, free_port, long_system_prompt,
+                     wait_for_mitmproxy)
 
 
 def make_sessions(count: int, system: str, prefix: str = "s") -> list[Conversation]:
@@ -167,3 +170,32 @@ def test_no_slots_endpoint_falls_back_to_a_stable_hash(make_llama, make_proxy):
             seen.setdefault(name, set()).add(turn.slot)
     assert all(len(slots) == 1 for slots in seen.values()), seen
     assert "GET /slots is disabled" in proxy.log_text()
+
+
+def test_each_upstream_has_its_own_slot_space(make_llama, tmp_path):
+    """One mitmdump with two reverse modes to two servers: the same session id gets a slot on
+    each, kept apart in the state file by upstream URL."""
+    servers = [make_llama(np=2, ctx=4096), make_llama(np=2, ctx=4096)]
+    ports = [free_port(), free_port()]
+    state = tmp_path / "state.json"
+    log = tmp_path / "mitmdump.log"
+    cmd = [str(MITMDUMP), "-s", str(ADDON_SCRIPT), "--set", "listen_host=127.0.0.1",
+           "--set", f"confdir={tmp_path / 'conf'}", "--set", f"slotkeeper_state_file={state}",
+           "--set", "slotkeeper_small_request_chars=0"]
+    for server, port in zip(servers, ports):
+        cmd += ["--mode", f"reverse:{server.url}@{port}"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        for port in ports:
+            wait_for_mitmproxy(proc, port, log, 30)
+        for port in ports:
+            for turn in range(2):
+                t = Conversation("same-id", "Be brief.").ask(f"http://127.0.0.1:{port}", "hi")
+                assert t.action == ("kept" if turn else "assigned"), t
+        doc = json.loads(state.read_text())
+        assert set(doc["upstreams"]) == {s.url for s in servers}
+        for up in doc["upstreams"].values():
+            assert [s["owner"] for s in up["slots"].values()] == ["same-id"]
+    finally:
+        end_process(proc, signal.SIGINT)
