@@ -11,6 +11,7 @@ import http.client
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -285,6 +286,29 @@ def minimum_prefill(prompts: Sequence[Sequence[int]],
     return out
 
 
+class ServerLog:
+    """Prompt tokens llama-server evaluated, read from its log's `print_timing` lines. This
+    counts every prefill, also those of requests slotkeeper makes itself (building a seed),
+    which the client's `timings` do not show."""
+
+    PATTERN = re.compile(rb"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens")
+
+    def __init__(self, server: LlamaServer) -> None:
+        self.path = server.log
+        self.offset = self.path.stat().st_size
+
+    def take(self, settle_s: float = 0.2) -> int:
+        """Tokens prefilled since the last call. The server logs from a background thread,
+        so wait a moment for the last request's line."""
+        time.sleep(settle_s)
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        data = data[: data.rfind(b"\n") + 1]  # whole lines only
+        self.offset += len(data)
+        return sum(int(m) for m in self.PATTERN.findall(data))
+
+
 # ---- the machine, and what else runs on it --------------------------------------------------
 
 def _cpu_jiffies(pid: int) -> int:
@@ -448,4 +472,5 @@ class Table:
         cells = [[str(c) for c in self.header]] + [
             [f"{c:.2f}" if isinstance(c, float) else str(c) for c in row] for row in self.rows]
         widths = [max(len(r[i]) for r in cells) for i in range(len(self.header))]
-        return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
+        return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True))
+                         for r in cells)

@@ -14,7 +14,7 @@ from mitmproxy import ctx, exceptions, http
 
 from . import bodies, metrics
 from .api import SessionApi
-from .bodies import BodyError, SseTimingsWatcher, Timings
+from .bodies import BodyError, BodyRefused, BodyTooLarge, SseTimingsWatcher, Timings
 from .contentview import MitmwebView, outcome_words
 from .identity import Identity, IdentityConfig, identify
 from .locks import SlotLocks
@@ -64,6 +64,7 @@ class SlotKeeper:
         self.identity_config = IdentityConfig()
         self.slot_dir_problem = ""  # why sessions cannot be saved, shown by the session API
         self.max_body_bytes = 32 * 1024 * 1024
+        self.api_token = ""  # slotkeeper_api_token: see api.management_access
         # Blocking work (state-file lock, /slots, save/restore, slot-lock waits) runs here, off
         # the event loop. Waits for a busy slot can be long, so more threads than asyncio's
         # default pool (cores + 4) gives.
@@ -119,6 +120,10 @@ class SlotKeeper:
                           "Saved sessions unused for longer are removed (0: no limit).")
         loader.add_option("slotkeeper_max_body_mb", int, 32,
                           "Largest request body (after decoding) slotkeeper reads, in MiB.")
+        loader.add_option("slotkeeper_api_token", str, "",
+                          "Bearer token for the management endpoints (/api/..., /metrics). "
+                          "Unset: they answer loopback clients only. Set: they answer every "
+                          "client, and POST/DELETE calls need 'Authorization: Bearer <token>'.")
 
     def configure(self, updated: set[str]) -> None:
         if not any(name.startswith("slotkeeper_") for name in updated) and self.router:
@@ -135,6 +140,10 @@ class SlotKeeper:
             raise exceptions.OptionsError("slotkeeper_save_every_tokens must be at least 1")
         if opts.slotkeeper_max_body_mb < 1:
             raise exceptions.OptionsError("slotkeeper_max_body_mb must be at least 1")
+        if opts.slotkeeper_api_token and not all(
+                "!" <= c <= "~" for c in opts.slotkeeper_api_token):
+            raise exceptions.OptionsError("slotkeeper_api_token must be printable ASCII "
+                                          "without spaces (it is sent in a header)")
         for header in opts.slotkeeper_session_headers:
             if not header or not all(c.isalnum() or c in "-_" for c in header):
                 raise exceptions.OptionsError(
@@ -171,6 +180,7 @@ class SlotKeeper:
             children_share_parent=opts.slotkeeper_children_share_parent,
         )
         self.max_body_bytes = opts.slotkeeper_max_body_mb * 1024 * 1024
+        self.api_token = opts.slotkeeper_api_token
         self.idle_save_seconds = opts.slotkeeper_idle_save_seconds
         self.router = Router(
             RouterConfig(
@@ -193,9 +203,17 @@ class SlotKeeper:
         if flow.response is not None or flow.request.method != "POST":
             return
         if not bodies.is_completion_path(flow.request.path) or self.router is None:
+            self._refuse_if_too_deep(flow)
             return
         try:
             data = self._read_body(flow)
+        except BodyRefused as e:
+            # Too large, or nested deeper than anything we (or llama-server) should parse:
+            # answered here, never forwarded.
+            flow.response = error_response(e.status, str(e))
+            metrics.request(flow.request.path, "rejected")
+            log.info("%s %s refused (%d): %s", flow.request.method, flow.request.path, e.status, e)
+            return
         except BodyError as e:
             note_pass_through(flow, str(e))
             return
@@ -240,9 +258,26 @@ class SlotKeeper:
         if raw is None:
             raise BodyError("body was streamed, not read")
         if len(raw) > self.max_body_bytes:
-            raise BodyError(f"body over {self.max_body_bytes} bytes")
+            raise BodyTooLarge(f"request body of {len(raw)} bytes exceeds {self.max_body_bytes} "
+                               f"bytes (slotkeeper_max_body_mb)")
         encoding = flow.request.headers.get("content-encoding", "")
         return bodies.parse_json_object(bodies.decode_body(raw, encoding, self.max_body_bytes))
+
+    def _refuse_if_too_deep(self, flow: http.HTTPFlow) -> None:
+        """Any other POST is forwarded as it came, except JSON nested deep enough to crash
+        llama-server (a segfault at ~110,000 levels on every endpoint, b11434): 400."""
+        raw = flow.request.raw_content
+        if not raw or len(raw) > self.max_body_bytes:
+            return
+        try:
+            body = bodies.decode_body(raw, flow.request.headers.get("content-encoding", ""),
+                                      self.max_body_bytes)
+        except BodyError:
+            return
+        if bodies.nested_too_deep(body):
+            flow.response = error_response(400, "request body is JSON nested too deeply")
+            log.info("%s %s refused (400): JSON nested too deeply", flow.request.method,
+                     flow.request.path)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         route: Route | None = flow.metadata.get(ROUTE_KEY)

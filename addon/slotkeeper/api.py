@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
 import re
@@ -33,6 +35,56 @@ def error(status: int, message: str) -> http.Response:
     return json_response(status, {"error": {"code": status, "message": message}})
 
 
+# ---- who may call the management endpoints ---------------------------------------------------
+
+READ_METHODS = frozenset({"GET", "HEAD"})
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 and IPv4-mapped loopback (::ffff:127.0.0.1); anything else, including
+    a name or garbage, is not."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def management_access(flow: http.HTTPFlow, token: str) -> http.Response | None:
+    """The one access check for slotkeeper's own endpoints (/api/..., /metrics): None when the
+    call may go on, else the answer to give instead.
+
+    - No token configured: loopback clients only (403 for others), every method.
+    - A token configured (slotkeeper_api_token): every client may read (GET, HEAD); any other
+      method needs `Authorization: Bearer <token>` (401 without it), loopback clients too.
+    The Authorization header is redacted from the flow, so mitmweb never shows the token."""
+    peer = flow.client_conn.peername
+    host = str(peer[0]) if peer else ""
+    if not token:
+        if is_loopback(host):
+            return None
+        log.warning("management call %s %s from %s refused: loopback only (no "
+                    "slotkeeper_api_token)", flow.request.method, flow.request.path[:100], host)
+        return error(403, "slotkeeper's management endpoints answer loopback clients only; "
+                          "set slotkeeper_api_token to allow other clients")
+    given = flow.request.headers.get("authorization", "")
+    if given:
+        flow.request.headers["authorization"] = "Bearer <redacted>"
+    if flow.request.method.upper() in READ_METHODS:
+        return None
+    scheme, _, value = given.strip().partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(
+            value.strip().encode("utf-8", "surrogatepass"), token.encode()):
+        return None
+    log.warning("management call %s %s from %s refused: missing or wrong API token",
+                flow.request.method, flow.request.path[:100], host)
+    response = error(401, "this call changes state: send 'Authorization: Bearer <token>' with "
+                          "the token set in slotkeeper_api_token")
+    response.headers["WWW-Authenticate"] = 'Bearer realm="slotkeeper"'
+    return response
+
+
 class SessionApi:
     def __init__(self, keeper: SlotKeeper) -> None:
         self.keeper = keeper
@@ -43,6 +95,10 @@ class SessionApi:
             return
         flow.marked = ":gear:"
         flow.comment = "slotkeeper API"
+        denied = management_access(flow, self.keeper.api_token)
+        if denied is not None:
+            flow.response = denied
+            return
         router = self.keeper.router
         if router is None:
             flow.response = error(503, "slotkeeper is not configured")

@@ -36,6 +36,44 @@ class BodyError(ValueError):
     """The body cannot be pinned; the message says why (shown in the flow and the log)."""
 
 
+class BodyRefused(BodyError):
+    """The body must not be forwarded at all: answered with `status` and the message."""
+
+    status = 400
+
+
+class BodyTooLarge(BodyRefused):
+    """Over slotkeeper_max_body_mb, before or after decoding: 413."""
+
+    status = 413
+
+
+class BodyTooDeep(BodyRefused):
+    """JSON nested deeper than Python's parser goes (about 1000 levels). No client nests that
+    deep; llama-server b11434 segfaults on bodies nested about 110,000 deep (any endpoint), so
+    such a body is answered 400 instead of being passed through."""
+
+
+# Bodies shorter than this cannot nest deep enough to crash llama-server (measured: 100,000
+# levels are survived, 120,000 are not; each level takes at least one byte), so only longer
+# ones are checked on routes slotkeeper does not otherwise read.
+DEEP_CHECK_MIN_BYTES = 32 * 1024
+
+
+def nested_too_deep(raw: bytes) -> bool:
+    """True when `raw` is JSON-looking and nested deeper than Python's parser accepts. Only
+    bodies of at least DEEP_CHECK_MIN_BYTES are parsed (the rest cannot hurt the server)."""
+    if len(raw) < DEEP_CHECK_MIN_BYTES or raw.lstrip()[:1] not in (b"{", b"["):
+        return False
+    try:
+        json.loads(raw)
+    except RecursionError:
+        return True
+    except ValueError:  # not JSON (or not UTF-8): the server gives its own error
+        return False
+    return False
+
+
 @dataclass(frozen=True)
 class ParsedBody:
     data: dict[str, Any]
@@ -59,15 +97,18 @@ def decode_body(raw: bytes, content_encoding: str, max_bytes: int) -> bytes:
     except zlib.error as e:
         raise BodyError(f"body is not valid {encoding}: {e}") from None
     if len(out) > max_bytes or inflater.unconsumed_tail:
-        raise BodyError(f"decoded body exceeds {max_bytes} bytes")
+        raise BodyTooLarge(f"request body exceeds {max_bytes} bytes once decoded "
+                           f"(slotkeeper_max_body_mb)")
     return out
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BodyError(f"body is not JSON: {e}") from None
+    except RecursionError:
+        raise BodyTooDeep("request body is JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an int over 4300 digits
+        raise BodyError(f"body is not JSON: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise BodyError(f"body is JSON {type(data).__name__}, not an object")
     return data
@@ -84,8 +125,9 @@ def client_slot(data: dict[str, Any]) -> int | None:
 
 
 def check_cache_prompt(data: dict[str, Any]) -> None:
-    value = data.get("cache_prompt", True)
-    if not isinstance(value, bool):
+    value = data.get("cache_prompt")
+    # null is "not set" (clients that serialise every field send it; llama-server accepts it).
+    if value is not None and not isinstance(value, bool):
         raise BodyError(f"cache_prompt must be true or false, got {json.dumps(value)[:40]}")
 
 
@@ -95,8 +137,12 @@ def pin(data: dict[str, Any], slot: int | None) -> bytes:
     out = dict(data)
     if slot is not None:
         out["id_slot"] = slot
-    out.setdefault("cache_prompt", True)
-    return json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode()
+    if out.get("cache_prompt") is None:
+        out["cache_prompt"] = True
+    try:
+        return json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON): keep it escaped
+        return json.dumps(out, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)

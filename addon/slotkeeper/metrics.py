@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+from prometheus_client import (CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram,
                                ProcessCollector, generate_latest)
 from prometheus_client.core import GaugeMetricFamily
 
@@ -305,4 +305,6 @@ class MetricsEndpoint:
             flow.response = http.Response.make(500, f"{type(e).__name__}: {e}\n".encode(),
                                                {"Content-Type": "text/plain"})
             return
-        flow.response = http.Response.make(200, body, {"Content-Type": CONTENT_TYPE_LATEST})
+        # Text format 0.0.4: what every Prometheus 2.x and 3.x scraper reads (our names are
+        # classic ones, so the newer 1.0.0 format would add nothing).
+        flow.response = http.Response.make(200, body, {"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})

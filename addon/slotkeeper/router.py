@@ -7,7 +7,6 @@ threads."""
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -446,26 +445,31 @@ class Router:
             (m.size_bytes for m in self.folder.list_sessions()), default=0)
         self.folder.make_room(expected, keep={owner})
         t0 = time.monotonic()
+        # The server writes in place (over whatever has the name), so it writes under a fresh
+        # name and the verified file is renamed over the old snapshot: a save that fails while
+        # writing (disk full, read-only folder) or a proxy killed meanwhile leaves the previous
+        # snapshot whole and restorable.
+        saving = self.folder.saving_name(owner)
         try:
-            answer = info.client.save(slot, name)
+            answer = info.client.save(slot, saving)
         except UpstreamError as e:
-            log.warning("save of %s from slot %d failed: %s", owner, slot, e)
+            log.warning("save of %s from slot %d failed: %s; the previous snapshot stays", owner,
+                        slot, e)
             metrics.slot_op("save", ok=False)
-            # A save that failed before writing (server down, no --slot-save-path) leaves the
-            # previous snapshot whole: keep it. One that failed while writing (disk full)
-            # leaves a file that no longer matches its metadata: remove it.
-            if not self._check(info, owner, message_count=sys.maxsize)[0]:
-                self.folder.discard_partial(owner)
+            self.folder.discard_saving(saving)
             return 0
         n_saved = int(answer.get("n_saved", 0))
         ok, why = self.folder.verify_saved(owner, n_written=int(answer.get("n_written", -1)),
-                                           n_saved=n_saved)
+                                           n_saved=n_saved, name=saving)
         if not ok:
             # A full disk truncates the file while its header still claims every token.
-            log.warning("save of %s from slot %d is unusable (%s): removed", owner, slot, why)
+            log.warning("save of %s from slot %d is unusable (%s): removed; the previous "
+                        "snapshot stays", owner, slot, why)
             metrics.slot_op("save", ok=False)
-            self.folder.discard_partial(owner)
+            self.folder.discard_saving(saving)
             return 0
+        crc = self.folder.crc32_of(saving)
+        self.folder.commit_saved(owner, saving)
         now = self.clock()
         size = self.folder.state_path(owner).stat().st_size
         metrics.slot_op("save", seconds=time.monotonic() - t0, nbytes=size, tokens=n_saved)
@@ -474,7 +478,7 @@ class Router:
             session_id=owner, kind=kind, file_name=name,
             fingerprint=info.props.fingerprint, n_ctx=info.props.n_ctx, n_tokens=n_saved,
             n_messages=messages, created=old.created if old else now, last_used=now,
-            size_bytes=size, misses=0,
+            size_bytes=size, misses=0, crc32=crc,
         ))
 
         def note_saved(doc: StateDoc) -> None:

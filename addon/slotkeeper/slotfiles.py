@@ -17,6 +17,7 @@ import re
 import secrets
 import struct
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
@@ -44,6 +45,10 @@ _STEM = r"(?!.*\.\.)[A-Za-z0-9_][A-Za-z0-9._-]{0,39}-[0-9a-f]{24}"
 FILE_NAME_RE = re.compile(_STEM + r"\.bin")
 _META_RE = re.compile(_STEM + r"\.json")
 _TEMP_RE = re.compile(_STEM + r"\.json\.[0-9a-f]{8}\.tmp")
+# A save in progress: llama-server writes the new snapshot under this name and the proxy renames
+# it over the old one only once it is verified, so a failed save (disk full, read-only folder,
+# proxy killed) never destroys the previous snapshot.
+_SAVING_RE = re.compile(_STEM + r"\.saving-[0-9a-f]{8}\.bin")
 
 # Header of a version 4 state file (all little-endian):
 #   0  magic "qsgg"          4  u32 state version      8  u32 token_words
@@ -87,6 +92,10 @@ class SessionMeta:
     last_used: float
     size_bytes: int
     misses: int = 0
+    # zlib.crc32 of the state file as saved, 8 hex digits ("": not recorded, by an older proxy).
+    # A file whose KV bytes changed but whose size did not restores without complaint and
+    # answers from the damaged KV; the checksum refuses it.
+    crc32: str = ""
 
     def to_json(self) -> str:
         # ASCII escapes: an id with a lone surrogate still round-trips.
@@ -159,6 +168,19 @@ def parse_state_header(head: bytes) -> StateHeader | None:
         if marker == _SERVER_BLOCK_MARKER and block_version == _SERVER_BLOCK_VERSION:
             n_tokens = count
     return StateHeader(version=version, token_words=token_words, n_tokens=n_tokens)
+
+
+def file_crc32(path: Path, chunk: int = 1 << 20) -> str:
+    """zlib.crc32 of a file as 8 hex digits ("" if it cannot be read). ~4 GB/s here: 4 ms for
+    a 14 MB snapshot."""
+    crc = 0
+    try:
+        with path.open("rb") as f:
+            while block := f.read(chunk):
+                crc = zlib.crc32(block, crc)
+    except OSError:
+        return ""
+    return f"{crc:08x}"
 
 
 def read_state_header(path: Path) -> StateHeader | None:
@@ -277,7 +299,7 @@ class SlotFolder:
             return SessionMeta.from_json(path.read_bytes())
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             log.warning("ignoring unreadable slot meta %s: %s", path, e)
             return None
 
@@ -326,13 +348,36 @@ class SlotFolder:
             if meta is not None and meta.misses < MAX_MISSES:
                 return False, "state file missing"
             size = 0
-        return restorable(meta, read_state_header(path), size, fingerprint=fingerprint,
-                          n_ctx=n_ctx, message_count=message_count)
+        ok, why = restorable(meta, read_state_header(path), size, fingerprint=fingerprint,
+                             n_ctx=n_ctx, message_count=message_count)
+        if ok and meta is not None and meta.crc32:
+            actual = file_crc32(path)
+            if actual != meta.crc32:
+                return False, f"file changed since its save (crc32 {actual}, saved {meta.crc32})"
+        return ok, why
 
-    def verify_saved(self, session_id: str, *, n_written: int, n_saved: int) -> tuple[bool, str]:
-        """Right after a save answered 200: does the file match the answer? If not, the caller
-        should discard_partial()."""
-        path = self.state_path(session_id)
+    def saving_name(self, session_id: str) -> str:
+        """A fresh name for the server to write a new snapshot of the session under."""
+        return f"{file_name_for(session_id).removesuffix('.bin')}.saving-{secrets.token_hex(4)}.bin"
+
+    def commit_saved(self, session_id: str, saving_name: str) -> None:
+        """The verified new snapshot replaces the old one (atomically: a reader sees either)."""
+        assert _SAVING_RE.fullmatch(saving_name), saving_name
+        os.replace(self._inside(saving_name), self.state_path(session_id))
+
+    def discard_saving(self, saving_name: str) -> None:
+        """A failed save: only its own partial file goes; the previous snapshot stays whole."""
+        assert _SAVING_RE.fullmatch(saving_name), saving_name
+        self._unlink(self._inside(saving_name))
+
+    def crc32_of(self, name: str) -> str:
+        return file_crc32(self._inside(name))
+
+    def verify_saved(self, session_id: str, *, n_written: int, n_saved: int,
+                     name: str | None = None) -> tuple[bool, str]:
+        """Right after a save answered 200: does the file (the session's, or `name` in the
+        folder) match the answer? If not, the caller should discard it."""
+        path = self._inside(name) if name is not None else self.state_path(session_id)
         try:
             size = path.stat().st_size
         except FileNotFoundError:
@@ -407,7 +452,7 @@ class SlotFolder:
         """At start: delete our leftover temp files, state files without a readable meta, and
         metas without a state file, if older than grace_seconds. Returns files deleted."""
         cutoff = self.clock() - grace_seconds
-        doomed: list[Path] = list(self._our_files(_TEMP_RE))
+        doomed: list[Path] = [*self._our_files(_TEMP_RE), *self._our_files(_SAVING_RE)]
         for state in self._our_files(FILE_NAME_RE):
             meta_path = state.with_suffix(".json")
             meta = self._load_meta(meta_path)
@@ -433,7 +478,7 @@ class SlotFolder:
     def usage(self) -> tuple[int, int]:
         """(file count, total bytes) of our files: state files, metas and temp files."""
         count = total = 0
-        for pattern in (FILE_NAME_RE, _META_RE, _TEMP_RE):
+        for pattern in (FILE_NAME_RE, _META_RE, _TEMP_RE, _SAVING_RE):
             for path in self._our_files(pattern):
                 count += 1
                 total += self._size(path)

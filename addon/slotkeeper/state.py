@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ from .choice import Claim
 log = logging.getLogger("slotkeeper.state")
 
 FORMAT_VERSION = 1
+_TEMP_NAME = re.compile(r"\.state-[a-z0-9_]{8}")
 T = TypeVar("T")
 
 
@@ -127,6 +130,29 @@ class StateFile:
         self._cached: tuple[tuple[int, int, int], StateDoc] | None = None
         self._mutex = threading.Lock()  # one writer thread at a time inside this process
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Owner-only, like the document (mkstemp makes it 0600): a lock file others can open
+        # is a lock file others can hold.
+        os.close(os.open(self.lock_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+        self._sweep_temp_files()
+
+    def _sweep_temp_files(self, older_than: float = 60.0) -> None:
+        """A process killed between writing its temp file and renaming it leaves the temp file
+        behind (the document itself stays whole). Remove those older than a minute: younger
+        ones may belong to a write in flight in another process."""
+        cutoff = time.time() - older_than
+        try:
+            entries = list(os.scandir(self.path.parent))
+        except OSError:
+            return
+        for entry in entries:
+            if not _TEMP_NAME.fullmatch(entry.name):  # mkstemp(prefix=".state-") names only
+                continue
+            try:
+                if entry.is_file(follow_symlinks=False) and entry.stat().st_mtime < cutoff:
+                    os.unlink(entry.path)
+                    log.info("removed %s, left by an interrupted state write", entry.path)
+            except OSError:
+                continue
 
     def _stat_key(self) -> tuple[int, int, int] | None:
         try:
@@ -152,7 +178,7 @@ class StateFile:
                 return StateDoc.from_json(json.load(f))
         except FileNotFoundError:
             return StateDoc()
-        except (OSError, ValueError, UnicodeDecodeError) as e:
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
             # A corrupt file costs us the ownership records only (the KV files are separate):
             # start again from an empty document; the next update rewrites it whole.
             log.warning("state file %s unreadable (%s): rebuilding it", self.path, e)
