@@ -87,3 +87,30 @@ def test_timings_in_json():
     assert t is not None and t.prompt_tokens == 7
     assert bodies.timings_in_json(b"not json") is None
     assert bodies.timings_in_json(b'{"timings": {"cache_n": "x"}}') is None
+
+
+def test_anthropic_usage_is_read_when_there_are_no_timings():
+    body = b'{"type":"message","usage":{"cache_read_input_tokens":11,"input_tokens":41,"output_tokens":4}}'
+    assert bodies.timings_in_json(body) == bodies.Timings(11, 41, 4, 0.0)
+
+
+def test_anthropic_stream_merges_message_start_and_the_final_delta():
+    stream = [
+        b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+        b'{"cache_read_input_tokens":51,"input_tokens":1,"output_tokens":0}}}\n\n',
+        b'event: content_block_delta\ndata: {"type":"content_block_delta"}\n\n',
+        b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":4}}\n\n',
+    ]
+    watcher = bodies.SseTimingsWatcher()
+    for chunk in stream:
+        watcher(chunk)
+    assert watcher.timings == bodies.Timings(cache_n=51, prompt_n=1, predicted_n=4, prompt_ms=0.0)
+
+
+def test_responses_usage_counts_cached_tokens_inside_input_tokens():
+    body = b'{"object":"response","usage":{"input_tokens":26,"output_tokens":4,"input_tokens_details":{"cached_tokens":9}}}'
+    assert bodies.timings_in_json(body) == bodies.Timings(9, 17, 4, 0.0)
+
+
+def test_chat_usage_without_timings_is_not_guessed():
+    assert bodies.timings_in_json(b'{"usage":{"prompt_tokens":5,"completion_tokens":1}}') is None

@@ -199,3 +199,24 @@ def test_each_upstream_has_its_own_slot_space(make_llama, tmp_path):
             assert [s["owner"] for s in up["slots"].values()] == ["same-id"]
     finally:
         end_process(proc, signal.SIGINT)
+
+
+def test_claude_code_messages_keep_their_slot(llama, make_proxy):
+    """/v1/messages as Claude Code sends it: the session header pins it, and the second turn
+    reads the first from the cache (Anthropic `usage`, the only counts this route returns)."""
+    proxy = make_proxy(llama, slotkeeper_small_request_chars=0)
+    headers = {"X-Claude-Code-Session-Id": "5f0c1d2e-cc-session", "anthropic-version": "2023-06-01"}
+    messages = [{"role": "user", "content": "List two colours."}]
+    body = {"model": "m", "max_tokens": 6, "system": long_system_prompt(200, seed=9),
+            "messages": messages}
+    first = requests.post(proxy.url + "/v1/messages", json=body, headers=headers, timeout=300)
+    assert first.status_code == 200 and first.headers["X-Slotkeeper-Action"] == "assigned"
+    used = first.json()["usage"]
+    prompt_tokens = used["input_tokens"] + used["cache_read_input_tokens"]
+    messages += [{"role": "assistant", "content": first.json()["content"][0]["text"]},
+                 {"role": "user", "content": "And two animals?"}]
+    second = requests.post(proxy.url + "/v1/messages", json=body, headers=headers, timeout=300)
+    assert second.headers["X-Slotkeeper-Session"] == "5f0c1d2e-cc-session"
+    assert second.headers["X-Slotkeeper-Source"] == "header x-claude-code-session-id"
+    assert second.headers["X-Slotkeeper-Action"] == "kept"
+    assert second.json()["usage"]["cache_read_input_tokens"] >= prompt_tokens

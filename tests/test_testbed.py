@@ -130,11 +130,6 @@ def test_a_missing_conf_is_one_line_and_exit_2(tmp_path: Path) -> None:
                                   "No such file or directory"
 
 
-def test_status_is_a_stub_for_now() -> None:
-    done = slotkeeper("status")
-    assert (done.returncode, done.stderr.strip()) == (2, "status: not implemented yet")
-
-
 def test_launcher_runs_mitmdump_with_the_conf(llama: LlamaServer, tmp_path: Path) -> None:
     """Every option of mitm.conf is accepted by the real mitmdump and the addon, and the
     proxy works. (`-s` is the conf's own script unless SLOTKEEPER_ADDON_SCRIPT says otherwise.)"""

@@ -157,22 +157,53 @@ class Timings:
         return self.cache_n + self.prompt_n
 
 
-def timings_from(obj: object) -> Timings | None:
-    """Read llama-server's `timings` object from a parsed response (or SSE event)."""
+def timings_from(obj: object, earlier: Timings | None = None) -> Timings | None:
+    """Token counts of a parsed response (or SSE event). llama-server's own `timings` where it
+    sends them (/completion, chat completions); otherwise the API's `usage`, which is all that
+    /v1/messages and /v1/responses carry in b11434 (measured). `earlier` fills what an event
+    leaves out: an Anthropic stream gives the prompt counts in `message_start` and only
+    `output_tokens` at the end."""
     if not isinstance(obj, dict):
         return None
     t = obj.get("timings")
-    if not isinstance(t, dict):
-        return None
     try:
-        return Timings(
-            cache_n=int(t.get("cache_n", 0)),
-            prompt_n=int(t.get("prompt_n", 0)),
-            predicted_n=int(t.get("predicted_n", 0)),
-            prompt_ms=float(t.get("prompt_ms", 0.0)),
-        )
+        if isinstance(t, dict):
+            return Timings(
+                cache_n=int(t.get("cache_n", 0)),
+                prompt_n=int(t.get("prompt_n", 0)),
+                predicted_n=int(t.get("predicted_n", 0)),
+                prompt_ms=float(t.get("prompt_ms", 0.0)),
+            )
+        usage = _usage_in(obj)
+        return None if usage is None else _timings_from_usage(usage, earlier)
     except (TypeError, ValueError):
         return None
+
+
+def _usage_in(obj: dict) -> dict | None:
+    # Top level (non-streamed), or inside an Anthropic `message_start` / a Responses
+    # `response.completed` event.
+    for holder in (obj, obj.get("message"), obj.get("response")):
+        if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
+            return holder["usage"]
+    return None
+
+
+def _timings_from_usage(usage: dict, earlier: Timings | None) -> Timings | None:
+    base = earlier or Timings(cache_n=0, prompt_n=0, predicted_n=0, prompt_ms=0.0)
+    predicted = int(usage.get("output_tokens", base.predicted_n))
+    details = usage.get("input_tokens_details")
+    if isinstance(details, dict):
+        # OpenAI Responses: input_tokens counts the cached ones too.
+        cached = int(details.get("cached_tokens", 0))
+        return Timings(cache_n=cached, prompt_n=int(usage.get("input_tokens", 0)) - cached,
+                       predicted_n=predicted, prompt_ms=0.0)
+    if "input_tokens" in usage or "cache_read_input_tokens" in usage or "output_tokens" in usage:
+        # Anthropic: input_tokens are the ones not read from the cache.
+        return Timings(cache_n=int(usage.get("cache_read_input_tokens", base.cache_n)),
+                       prompt_n=int(usage.get("input_tokens", base.prompt_n)),
+                       predicted_n=predicted, prompt_ms=0.0)
+    return None  # chat completions' usage: their `timings` are read instead
 
 
 def timings_in_json(raw: bytes) -> Timings | None:
@@ -198,8 +229,12 @@ class SseTimingsWatcher:
         if len(self._partial) > 4 * 1024 * 1024:  # a runaway line: stop looking, keep streaming
             self._partial = b""
         for line in lines:
-            if line.startswith(b"data:") and b'"timings"' in line:
-                found = timings_in_json(line[5:].strip())
+            if line.startswith(b"data:") and (b'"timings"' in line or b'"usage"' in line):
+                try:
+                    event = json.loads(line[5:].strip())
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    continue
+                found = timings_from(event, self.timings)
                 if found is not None:
                     self.timings = found
         return chunk
