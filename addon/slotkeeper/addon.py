@@ -6,9 +6,10 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 
@@ -364,11 +365,19 @@ class SlotKeeper:
                     log.info("%s: /health failed; slots will be verified", url)
                     router.mark_suspect(url)
 
-    async def done(self) -> None:
+    def done(self) -> Awaitable[None]:
         """Graceful shutdown (SIGINT/SIGTERM): let requests in flight finish, then save every
-        resident session that grew, so a reboot loses nothing."""
+        resident session that grew, so a reboot loses nothing.
+
+        A plain method returning an awaitable, not `async def`: at shutdown mitmproxy awaits
+        what a hook returns, while a script reload calls `done` from sync code and refuses
+        coroutine functions (which would leave the old addon running). On reload nothing is
+        awaited and nothing is saved: the sessions stay resident for the reloaded addon."""
         if self._watcher is not None:
             self._watcher.cancel()
+        return _WhenAwaited(self._shutdown)
+
+    async def _shutdown(self) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + SHUTDOWN_WAIT_SECONDS
         while self.in_flight > 0 and loop.time() < deadline:
@@ -377,6 +386,16 @@ class SlotKeeper:
             saved = await loop.run_in_executor(self.pool, self.router.save_all)
             log.info("shutdown: saved %d sessions", saved)
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _WhenAwaited:
+    """Runs a coroutine function only if awaited, so an unawaited one leaves no warning."""
+
+    def __init__(self, make: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self._make = make
+
+    def __await__(self):
+        return self._make().__await__()
 
 
 def _logged(func, *args) -> None:
@@ -429,8 +448,6 @@ def error_response(status: int, message: str) -> http.Response:
 
 
 def make_addons() -> list:
+    """Fresh addon objects: the entry script calls this each time mitmproxy (re)loads it."""
     keeper = SlotKeeper()
     return [keeper, SessionApi(keeper), metrics.MetricsEndpoint(keeper), MitmwebView()]
-
-
-addons = make_addons()
