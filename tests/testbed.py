@@ -95,7 +95,40 @@ def end_process(proc: subprocess.Popen[bytes] | None, first: signal.Signals) -> 
         proc.wait()
 
 
-class LlamaServer:
+class _LocalProcess:
+    """What LlamaServer and Proxy share: one child process on a loopback port, with a log."""
+
+    port: int
+    log: Path
+    proc: subprocess.Popen[bytes] | None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        end_process(self.proc, signal.SIGKILL)
+
+    def restart(self) -> Self:
+        """Same port, same arguments."""
+        self.stop()
+        return self.start()
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+class LlamaServer(_LocalProcess):
     """A real llama-server on 127.0.0.1. `ctx` is the total context (-c); with an explicit
     -np the KV cache is split, so each slot gets ctx // np tokens."""
 
@@ -115,16 +148,8 @@ class LlamaServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
     def ctx_per_slot(self) -> int:
         return self.ctx // self.np
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def command(self) -> list[str]:
         # --swa-full: Gemma 3 uses sliding-window attention; without it a restored slot is not
@@ -171,19 +196,8 @@ class LlamaServer:
     def stop(self) -> None:
         end_process(self.proc, signal.SIGTERM)
 
-    def kill(self) -> None:
-        end_process(self.proc, signal.SIGKILL)
 
-    def restart(self) -> Self:
-        """Same port, same arguments: what a crashed-and-restarted server looks like."""
-        self.stop()
-        return self.start()
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-
-class Proxy:
+class Proxy(_LocalProcess):
     """A real mitmdump running the addon in reverse mode in front of `upstream`, with its own
     confdir (so ~/.mitmproxy is never touched) and its own state file."""
 
@@ -198,14 +212,6 @@ class Proxy:
         self.state_file = Path(self.options.get("slotkeeper_state_file") or workdir / "state.json")
         self.log = workdir / f"mitmdump-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def command(self) -> list[str]:
         # Given options replace these defaults: mitmproxy rejects two `--set` of one option.
@@ -235,16 +241,6 @@ class Proxy:
     def stop(self) -> None:
         """SIGINT is mitmdump's clean shutdown (addons' `done` hooks run)."""
         end_process(self.proc, signal.SIGINT)
-
-    def kill(self) -> None:
-        end_process(self.proc, signal.SIGKILL)
-
-    def restart(self) -> Self:
-        self.stop()
-        return self.start()
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
 def chat(url: str, messages: list[dict[str, Any]], session_headers: Mapping[str, str] | None = None,
