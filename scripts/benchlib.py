@@ -96,9 +96,19 @@ class Lab:
         else:
             print(f"bench: logs kept in {self.root}", file=sys.stderr)
 
+    def folder(self, name: str) -> Path:
+        """A new folder for one process: a name used before gets a number, so nothing (slot
+        files, state file) carries over from an earlier run."""
+        path, n = self.root / name, 1
+        while path.exists():
+            n += 1
+            path = self.root / f"{name}-{n}"
+        path.mkdir(parents=True)
+        return path
+
     def server(self, name: str) -> LlamaServer:
         """A fresh llama-server with its own slot folder."""
-        workdir = self.root / name
+        workdir = self.folder(name)
         server = LlamaServer(workdir, np=NP, ctx=CTX, slot_save_path=workdir / "slots")
         self.procs.append(server)
         return server.start()
@@ -107,12 +117,12 @@ class Lab:
         """mitmdump with the addon and mitm.conf's options, sharing the server's slot folder."""
         opts = {**conf_options(addon=True), "slotkeeper_slot_dir": str(server.slot_save_path),
                 **options}
-        proxy = Proxy(server.url, self.root / name, options=opts)
+        proxy = Proxy(server.url, self.folder(name), options=opts)
         self.procs.append(proxy)
         return proxy.start()
 
     def bare(self, server: LlamaServer, name: str, **options: Any) -> Proxy:
-        proxy = BareProxy(server.url, self.root / name,
+        proxy = BareProxy(server.url, self.folder(name),
                           options={**conf_options(addon=False), **options})
         self.procs.append(proxy)
         return proxy.start()
@@ -380,7 +390,7 @@ def rss_kib(pid: int) -> dict[str, int]:
 def _git(*args: str) -> str:
     try:
         return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
+                              timeout=10).stdout.rstrip()
     except (OSError, subprocess.TimeoutExpired):
         return ""
 

@@ -84,3 +84,22 @@ def test_timed_counts_failures_and_reraises():
     assert sample("slotkeeper_slot_operations_total", operation="erase", outcome="ok") == ok + 1
     assert sample("slotkeeper_slot_operations_total", operation="erase",
                   outcome="failed") == failed + 1
+
+
+def test_fresh_addons_count_into_the_same_registry():
+    """What a completed script reload does: the entry script runs again, new addon objects are
+    made and loaded. Counts go on; the scrape-time gauges read the new addon's router."""
+    from slotkeeper.addon import SlotKeeper, make_addons
+
+    metrics.request("/v1/test-reload", "kept")
+    before = sample("slotkeeper_requests_total", endpoint="/v1/test-reload", action="kept")
+    addons = make_addons()
+    keeper = next(a for a in addons if isinstance(a, SlotKeeper))
+    endpoint = next(a for a in addons if isinstance(a, metrics.MetricsEndpoint))
+    endpoint.load(None)
+    assert metrics._BOUND["keeper"] is keeper
+    assert sample("slotkeeper_requests_total", endpoint="/v1/test-reload", action="kept") == before
+    metrics.request("/v1/test-reload", "kept")
+    assert sample("slotkeeper_requests_total", endpoint="/v1/test-reload",
+                  action="kept") == before + 1
+    keeper.pool.shutdown()

@@ -8,8 +8,8 @@ import pytest
 from mitmproxy.contentviews import Metadata
 from mitmproxy.test import tflow
 
-from slotkeeper.contentview import (PRIORITY, SlotkeeperContentview, outcome_words, sse_events,
-                                    timings_of)
+from slotkeeper.contentview import (PRIORITY, SlotkeeperContentview, event_text, outcome_words,
+                                    sse_events, timings_of)
 
 
 @pytest.mark.parametrize(("action", "detail", "words"), [
@@ -87,3 +87,22 @@ def test_flows_slotkeeper_did_not_route_are_left_to_other_views():
     assert view.render_priority(b"{}", metadata(flow, flow.response)) == 0
     with pytest.raises(ValueError):
         view.prettify(b"{}", metadata(flow, flow.response))
+
+
+# Events as llama-server b11434 streams them (captured from the test model), one per route.
+@pytest.mark.parametrize(("event", "text"), [
+    ({"choices": [{"finish_reason": None, "index": 0, "delta": {"content": " two"}}],
+      "object": "chat.completion.chunk"}, " two"),
+    ({"choices": [{"text": " three", "index": 0, "logprobs": None, "finish_reason": None}],
+      "object": "text_completion"}, " three"),
+    ({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "<"}},
+     "<"),
+    ({"type": "response.output_text.delta", "item_id": "msg_g7", "delta": "im"}, "im"),
+    ({"index": 0, "content": " four", "tokens": [2390], "stop": False}, " four"),
+    ({"type": "message_delta", "delta": {"stop_reason": "max_tokens"}}, ""),
+    ({"type": "response.output_item.done", "item": {"content": [{"text": "x"}]}}, ""),
+    ({"choices": [{"delta": {}, "finish_reason": "length"}], "timings": {}}, ""),
+    ("not json", ""),
+])
+def test_stream_text_of_each_route(event, text):
+    assert event_text(event) == text

@@ -67,11 +67,15 @@ def test_status_of_a_running_then_stopped_proxy(make_llama, make_proxy, tmp_path
     assert (up["reachable"], up["slot_count"], up["owned"]) == (True, 2, 2)
     by_session = {s["session"]: s for s in up["slots"]}
     assert set(by_session) == {"b", "c"}
+    state = json.loads(proxy.state_file.read_text())["upstreams"][server.url]["slots"]
     for name in "bc":
         s = by_session[name]
         assert (s["resident"], s["busy"]) == (True, False)
-        t = last[name]
-        assert s["tokens"] == t["cache_n"] + t["prompt_n"] + t["predicted_n"]
+        assert (s["tokens"], s["last_used"]) == (state[str(s["slot"])]["tokens"],
+                                                 state[str(s["slot"])]["last_used"])
+        t = last[name]  # the prompt, plus what was generated (all of it, or all but the last)
+        prompt = t["cache_n"] + t["prompt_n"]
+        assert prompt <= s["tokens"] <= prompt + t["predicted_n"]
         assert s["last_used"] > time.time() - 300
     [saved] = report["sessions"]
     assert (saved["id"], saved["kind"], saved["resident"]) == ("a", "session", None)

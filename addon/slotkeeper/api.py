@@ -56,8 +56,10 @@ def management_access(flow: http.HTTPFlow, token: str) -> http.Response | None:
     call may go on, else the answer to give instead.
 
     - No token configured: loopback clients only (403 for others), every method.
-    - A token configured (slotkeeper_api_token): every client may read (GET, HEAD); any other
-      method needs `Authorization: Bearer <token>` (401 without it), loopback clients too.
+    - A token configured (slotkeeper_api_token): loopback clients may read (GET, HEAD)
+      without it; every other call needs `Authorization: Bearer <token>` (401 without it):
+      changes from any client, and reads from other machines, since the session list names
+      every user's sessions.
     The Authorization header is redacted from the flow, so mitmweb never shows the token."""
     peer = flow.client_conn.peername
     host = str(peer[0]) if peer else ""
@@ -71,7 +73,7 @@ def management_access(flow: http.HTTPFlow, token: str) -> http.Response | None:
     given = flow.request.headers.get("authorization", "")
     if given:
         flow.request.headers["authorization"] = "Bearer <redacted>"
-    if flow.request.method.upper() in READ_METHODS:
+    if flow.request.method.upper() in READ_METHODS and is_loopback(host):
         return None
     scheme, _, value = given.strip().partition(" ")
     if scheme.lower() == "bearer" and hmac.compare_digest(
@@ -79,8 +81,9 @@ def management_access(flow: http.HTTPFlow, token: str) -> http.Response | None:
         return None
     log.warning("management call %s %s from %s refused: missing or wrong API token",
                 flow.request.method, flow.request.path[:100], host)
-    response = error(401, "this call changes state: send 'Authorization: Bearer <token>' with "
-                          "the token set in slotkeeper_api_token")
+    response = error(401, "send 'Authorization: Bearer <token>' with the token set in "
+                          "slotkeeper_api_token (needed for changes, and for reads from "
+                          "other machines)")
     response.headers["WWW-Authenticate"] = 'Bearer realm="slotkeeper"'
     return response
 

@@ -59,6 +59,30 @@ def sse_events(data: bytes) -> list[Any]:
     return events
 
 
+def event_text(event: Any) -> str:
+    """The generated text one SSE event carries, in the shapes llama-server b11434 streams:
+    OpenAI chat (choices[].delta.content) and completions (choices[].text), Anthropic
+    (content_block_delta: delta.text), Responses (response.output_text.delta: delta), and
+    its own /completion (content)."""
+    if not isinstance(event, dict):
+        return ""
+    kind = event.get("type")
+    delta = event.get("delta")
+    if kind == "content_block_delta" and isinstance(delta, dict):
+        return str(delta.get("text") or "")
+    if kind == "response.output_text.delta" and isinstance(delta, str):
+        return delta
+    if isinstance(event.get("choices"), list):
+        out = []
+        for choice in event["choices"]:
+            if isinstance(choice, dict):
+                part = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+                out.append(str(part.get("content") or choice.get("text") or ""))
+        return "".join(out)
+    content = event.get("content")
+    return content if isinstance(content, str) else ""
+
+
 def timings_of(response: http.Response | None) -> dict[str, Any] | None:
     """llama-server's `timings` of a response: in the JSON body, or in the last SSE event that
     carries them."""
@@ -127,11 +151,7 @@ def describe_body(data: bytes, message: http.Message | None) -> list[str]:
     content_type = message.headers.get("content-type", "") if message is not None else ""
     if "text/event-stream" in content_type:
         events = sse_events(data)
-        text = "".join(
-            choice.get("delta", {}).get("content") or choice.get("text") or ""
-            for event in events if isinstance(event, dict)
-            for choice in event.get("choices", []) if isinstance(choice, dict)
-        )
+        text = "".join(event_text(event) for event in events)
         lines = [f"stream:  # {len(events)} events; the Raw view shows them all",
                  f"  text: {_scalar(text)}"]
         if events:

@@ -293,6 +293,12 @@ class MetricsEndpoint:
             return
         flow.marked = ":bar_chart:"
         flow.comment = "slotkeeper metrics"
+        from .api import management_access  # here: api imports router, which imports us
+
+        denied = management_access(flow, self.keeper.api_token)
+        if denied is not None:
+            flow.response = denied
+            return
         if flow.request.method not in ("GET", "HEAD"):
             flow.response = http.Response.make(405, b"GET /metrics\n",
                                                {"Content-Type": "text/plain", "Allow": "GET"})

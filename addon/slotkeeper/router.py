@@ -72,6 +72,15 @@ class Route:
             self.lease.release()
 
 
+@dataclass(frozen=True)
+class Seen:
+    """A session's last request that ended in this process."""
+
+    at: float
+    tokens: int  # in its slot afterwards
+    messages: int
+
+
 @dataclass
 class UpstreamInfo:
     client: Upstream
@@ -81,7 +90,13 @@ class UpstreamInfo:
     usage_written: dict[str, float] = field(default_factory=dict)
     # session -> (when its last request here ended, tokens in its slot then); exact where the
     # state file's copy may lag by the coalescing interval.
-    last_seen: dict[str, tuple[float, int]] = field(default_factory=dict)
+    last_seen: dict[str, Seen] = field(default_factory=dict)
+
+    def messages_of(self, session: str, recorded: int) -> int:
+        """Messages in the session's slot: the state file's count lags by the coalescing
+        interval, this process's own last request does not."""
+        seen = self.last_seen.get(session)
+        return max(recorded, seen.messages) if seen else recorded
 
 
 class Router:
@@ -429,7 +444,8 @@ class Router:
             return False
         if rec.saved_tokens and tokens <= rec.saved_tokens:
             return True
-        return self.save_slot(url, info, slot, rec.owner, rec.messages) > 0
+        return self.save_slot(url, info, slot, rec.owner,
+                              info.messages_of(rec.owner, rec.messages)) > 0
 
     def save_slot(self, url: str, info: UpstreamInfo, slot: int, owner: str,
                   messages: int, kind: str = "session") -> int:
@@ -529,9 +545,13 @@ class Router:
             self._check_still_resident(route, timings)
         info = self.upstream(route.upstream)
         now = self.clock()
-        tokens = timings.prompt_tokens + timings.predicted_n if timings else None
+        # Tokens now in the slot's KV: the last generated token was sampled, never evaluated
+        # (measured: 30 prompt + 6 generated leave 35, the save's n_saved). Counting it made
+        # every handover and shutdown save again a session that had not changed.
+        tokens = (timings.prompt_tokens + max(timings.predicted_n - 1, 0)
+                  if timings else None)
         if tokens is not None:
-            info.last_seen[route.session] = (now, tokens)
+            info.last_seen[route.session] = Seen(now, tokens, route.messages)
         if self._grew_enough(route, tokens):
             self.save_slot(route.upstream, info, route.slot, route.session, route.messages)
         last = info.usage_written.get(route.session, 0.0)
@@ -566,7 +586,7 @@ class Router:
         if timings.prompt_n == 0:
             return
         seen = self.upstream(route.upstream).last_seen.get(route.session)
-        expected = seen[1] if seen else 0
+        expected = seen.tokens if seen else 0
         if expected > 2 * self.config.min_save_tokens and timings.cache_n < expected // 4:
             # The slot should have held this session's KV but the server reused almost
             # nothing: it probably restarted. Verify before the next request.
@@ -593,9 +613,9 @@ class Router:
         if info is None or self.folder is None:
             return False
         seen = info.last_seen.get(session)
-        if seen is None or seen[0] > ended:
+        if seen is None or seen.at > ended:
             return False  # it came back: its own next idle period will save it
-        return self._save_resident(url, info, session, seen[1], lock_timeout=0)
+        return self._save_resident(url, info, session, seen.tokens, lock_timeout=0)
 
     def save_all(self, lock_timeout: float = 30.0) -> int:
         """On shutdown: save every session resident on a known upstream that grew since its
@@ -605,7 +625,7 @@ class Router:
             up = self.state.read().upstreams.get(url)
             for rec in list(up.slots.values()) if up else []:
                 seen = info.last_seen.get(rec.owner)
-                tokens = max(rec.tokens, seen[1] if seen else 0)
+                tokens = max(rec.tokens, seen.tokens if seen else 0)
                 saved += self._save_resident(url, info, rec.owner, tokens, lock_timeout)
         return saved
 
@@ -623,7 +643,8 @@ class Router:
             if self._resident_slot(self.state.read(), url, session) != slot:
                 return False
             rec = self.state.read().upstreams[url].slots[slot]
-            return self.save_slot(url, info, slot, session, rec.messages) > 0
+            return self.save_slot(url, info, slot, session,
+                                  info.messages_of(session, rec.messages)) > 0
         finally:
             lease.release()
 

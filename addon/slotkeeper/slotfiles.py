@@ -429,6 +429,9 @@ class SlotFolder:
             return True
         except FileNotFoundError:
             return False
+        except OSError as e:  # a read-only folder answers EROFS even for a missing file
+            log.warning("cannot delete %s: %s", path, e)
+            return False
 
     def make_room(self, incoming_bytes: int, *, keep: set[str] | frozenset[str] = frozenset()
                   ) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -111,6 +112,10 @@ def _slot_record(raw: object) -> SlotRecord:
     )
     if not isinstance(rec.owner, str) or not isinstance(rec.stale, bool):
         raise TypeError("owner must be a string and stale a boolean")
+    if not (math.isfinite(rec.claimed) and math.isfinite(rec.last_used)):
+        # Only a damaged file holds NaN or infinity (we write time.time()); NaN would make
+        # the slot ranking depend on the order slots are listed in.
+        raise ValueError("claimed and last_used must be finite")
     return rec
 
 
