@@ -329,6 +329,11 @@ def _cpu_jiffies(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime (fields 14 and 15)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far."""
+    return _cpu_jiffies(pid) / os.sysconf("SC_CLK_TCK")
+
+
 def _busy_jiffies() -> int:
     values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     return sum(values) - values[3] - values[4]  # less idle and iowait
