@@ -28,6 +28,21 @@ from urllib.parse import urlsplit
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
+
+def _use_the_venv() -> None:
+    """Started with a python that lacks the project (`scripts/bench-agents` runs the first
+    python3 on PATH): run again with the checkout's venv python, if there is one."""
+    try:
+        import slotkeeper  # noqa: F401
+    except ImportError:
+        venv_python = REPO / ".venv" / "bin" / "python"
+        if venv_python.is_file() and Path(sys.executable) != venv_python:
+            os.execv(venv_python, [str(venv_python), *sys.argv])
+        raise
+
+
+_use_the_venv()
+
 from slotkeeper.cli import load_conf, set_args  # noqa: E402
 from testbed import MITMDUMP, LlamaServer, Proxy  # noqa: E402
 
