@@ -116,6 +116,17 @@ class _LocalProcess:
     def stop(self) -> None:
         raise NotImplementedError
 
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def _spawn(self) -> None:
+        """Start command(), its output appended to the log after a line naming the command."""
+        with self.log.open("ab") as log:
+            log.write(f"\n==== {' '.join(self.command())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
+
     def kill(self) -> None:
         end_process(self.proc, signal.SIGKILL)
 
@@ -170,11 +181,7 @@ class LlamaServer(_LocalProcess):
         if self.slot_save_path is not None:
             self.slot_save_path.mkdir(parents=True, exist_ok=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        with self.log.open("ab") as log:
-            log.write(f"\n==== {' '.join(self.command())}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
+        self._spawn()
         deadline = time.monotonic() + LLAMA_HEALTH_TIMEOUT_S
         while not self._healthy():
             if not self.alive:
@@ -226,11 +233,7 @@ class Proxy(_LocalProcess):
 
     def start(self) -> Self:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        with self.log.open("ab") as log:
-            log.write(f"\n==== {' '.join(self.command())}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
+        self._spawn()
         try:
             wait_for_mitmproxy(self.proc, self.port, self.log, PROXY_START_TIMEOUT_S)
         except TimeoutError:
