@@ -23,6 +23,7 @@ from .router import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, U
                      Router, RouterConfig)
 from .slotfiles import SlotFolder
 from .state import StateFile
+from .translation import translation_of
 
 log = logging.getLogger("slotkeeper")
 
@@ -281,25 +282,37 @@ class SlotKeeper:
                      flow.request.path)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        route: Route | None = flow.metadata.get(ROUTE_KEY)
-        if route is None or flow.response is None:
+        if flow.response is None:
             return
+        route: Route | None = flow.metadata.get(ROUTE_KEY)
+        translation = translation_of(flow)
         headers = flow.response.headers
-        headers["X-Slotkeeper-Session"] = route.session
-        headers["X-Slotkeeper-Slot"] = "" if route.slot is None else str(route.slot)
-        headers["X-Slotkeeper-Source"] = route.rule
-        headers["X-Slotkeeper-Action"] = route.action
-        if "text/event-stream" in headers.get("content-type", ""):
+        streamed = "text/event-stream" in headers.get("content-type", "")
+        if route is not None:
+            headers["X-Slotkeeper-Session"] = route.session
+            headers["X-Slotkeeper-Slot"] = "" if route.slot is None else str(route.slot)
+            headers["X-Slotkeeper-Source"] = route.rule
+            headers["X-Slotkeeper-Action"] = route.action
+        if streamed and route is not None:
             # Pass each event on as it arrives; watch for the final event's timings.
             watcher = SseTimingsWatcher()
             flow.metadata[WATCH_KEY] = watcher
             flow.response.stream = watcher
+        if streamed and translation is not None and flow.response.status_code == 200:
+            # The watcher reads llama-server's own events; the client gets its API's.
+            read = flow.response.stream if callable(flow.response.stream) else None
+            flow.response.stream = (translation.stream if read is None
+                                    else lambda chunk: translation.stream(read(chunk)))
+            translation.response_headers(flow.response)
 
     async def response(self, flow: http.HTTPFlow) -> None:
         route: Route | None = flow.metadata.pop(ROUTE_KEY, None)
+        timings = self._timings(flow) if route is not None else None
+        translation = translation_of(flow)
+        if translation is not None and flow.response is not None and not flow.response.stream:
+            translation.whole(flow.response)  # after the timings were read from the original
         if route is None or self.router is None:
             return
-        timings = self._timings(flow)
         metrics.timings(route.upstream, timings)
         if timings is not None:
             flow.metadata[SUMMARY_KEY].update(reused=timings.cache_n, prefilled=timings.prompt_n)
