@@ -8,6 +8,8 @@ import gzip
 import json
 import os
 import stat
+import subprocess
+import sys
 import time
 import zlib
 
@@ -18,6 +20,7 @@ from reliability import reliability  # noqa: F401  (the fixture)
 from slotkeeper import bodies
 from slotkeeper.api import is_loopback, management_access
 from slotkeeper.bodies import BodyError, BodyTooDeep, BodyTooLarge
+from slotkeeper.paths import PathOutsideFolder
 from slotkeeper.slotfiles import FILE_NAME_RE, SessionMeta, SlotFolder, file_name_for
 from slotkeeper.state import SlotRecord, StateFile
 
@@ -203,8 +206,33 @@ def test_saving_names_stay_in_the_folder_and_a_failed_save_keeps_the_old_file(tm
     (tmp_path / saving).write_bytes(b"new snapshot")
     folder.commit_saved("s", saving)
     assert old.read_bytes() == b"new snapshot" and not (tmp_path / saving).exists()
-    with pytest.raises(AssertionError):
+    with pytest.raises(PathOutsideFolder):
         folder.discard_saving("../x.saving-00000000.bin")
+
+
+def test_fault9_backstop_path_checks_hold_under_python_O(tmp_path):
+    """Issue #11 fault 9: the backstop checks were `assert`s, gone under `python -O`; there a
+    name outside the folder reached os.replace / unlink. Now they are real checks."""
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from slotkeeper.slotfiles import SlotFolder\n"
+        "from slotkeeper.paths import PathOutsideFolder, inside\n"
+        f"folder = SlotFolder(Path({str(tmp_path)!r}))\n"
+        "refused = 0\n"
+        "for call in (lambda: folder.discard_saving('../x.saving-00000000.bin'),\n"
+        "             lambda: folder.commit_saved('s', '../victim'),\n"
+        "             lambda: inside(folder.root, '../escape')):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except PathOutsideFolder:\n"
+        "        refused += 1\n"
+        "print(refused)\n")
+    victim = tmp_path.parent / "victim"
+    victim.write_text("keep me")
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "3", out.stderr
+    assert victim.read_text() == "keep me"
 
 
 def test_a_snapshot_changed_in_place_is_refused_by_its_checksum(tmp_path):

@@ -963,9 +963,8 @@ def test_seed_key_is_shared_by_sessions_with_one_system_and_tools():
     assert SHA256_HEX.match(a.seed_key) and a.seed_key == b.seed_key
 
 
-def test_seed_key_changes_with_model_system_and_tools():
+def test_seed_key_changes_with_system_and_tools():
     base = ident(body=chat_body("one", tools=TOOL)).seed_key
-    assert ident(body=chat_body("one", tools=TOOL, model="other")).seed_key != base
     assert ident(body=chat_body("one", tools=TOOL, system="other")).seed_key != base
     assert ident(body=chat_body("one", tools=TOOL + TOOL)).seed_key != base
     assert ident(body=chat_body("one")).seed_key != base
@@ -1244,3 +1243,24 @@ def test_very_deep_nesting_does_not_overflow_the_stack():
     ):
         for path in (CHAT, MESSAGES, RESPONSES, "/completion"):
             check_invariants(identify(path, {}, body))
+
+
+def test_fault9_seed_key_is_one_seed_under_two_model_aliases():
+    """Issue #11 fault 9: one system prompt under two model aliases built two seeds. The server
+    serves one model whatever the alias; the seed's meta fingerprint ties it to that model."""
+    a = ident(body=chat_body("one", tools=TOOL, model="gemma"))
+    b = ident(body=chat_body("one", tools=TOOL, model="gemma-3-270m-it"))
+    assert a.seed_key is not None and a.seed_key == b.seed_key
+
+
+def test_chain_names_each_message_prefix():
+    turn1 = ident(body=chat_body("one"))
+    turn2_body = chat_body("one")
+    turn2_body["messages"] += [{"role": "assistant", "content": "reply"},
+                               {"role": "user", "content": "two"}]
+    turn2 = ident(body=turn2_body)
+    assert len(turn1.chain) == 2 and len(turn2.chain) == 4
+    assert turn2.chain[:len(turn1.chain)] == turn1.chain
+    other_system = ident(body=chat_body("one", system="another system prompt"))
+    assert other_system.chain[0] != turn1.chain[0]
+    assert ident(body={"prompt": "raw text"}, path="/completion").chain == ()

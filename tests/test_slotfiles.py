@@ -15,6 +15,7 @@ import pytest
 import requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from slotkeeper.paths import PathOutsideFolder
 from slotkeeper.slotfiles import (
     FILE_NAME_RE,
     MAX_MISSES,
@@ -95,7 +96,7 @@ def test_any_text_gives_a_distinct_safe_name_inside_the_folder(first, second):
 
 
 def test_path_guard_fires_for_a_name_outside_the_folder(tmp_path):
-    with pytest.raises(AssertionError):
+    with pytest.raises(PathOutsideFolder):
         SlotFolder(tmp_path)._inside("../escape.bin")
 
 

@@ -31,6 +31,11 @@ ROUTE_KEY = "slotkeeper_route"  # flow.metadata: the Route object
 SUMMARY_KEY = "slotkeeper"  # flow.metadata: a plain dict, shown by mitmweb and `~meta`
 WATCH_KEY = "slotkeeper_sse"
 HEALTH_POLL_SECONDS = 0.5
+# Disk budget by default (fault 7): every idle save rewrites a session's whole snapshot, GBs
+# each on a large model, so "no limit" let a long-running proxy fill the disk. 20 GiB holds
+# ~1,400 2k-token snapshots of the test model (14 MB each) or about ten 32k-token snapshots of
+# a 7-8B model (~2 GB each); 0 still means no limit.
+DEFAULT_DISK_MAX_MB = 20 * 1024
 SHUTDOWN_WAIT_SECONDS = 30.0
 
 # One marker per outcome, so mitmweb's `~marker` filter finds them (e.g. `~marker floppy`).
@@ -57,7 +62,10 @@ def upstream_of(flow: http.HTTPFlow) -> str:
     """Each upstream has its own slot space, keyed by its URL. In reverse mode the request
     already points at the target, so several `--mode reverse:URL@PORT` stay apart."""
     req = flow.request
-    return f"{req.scheme}://{req.host}:{req.port}"
+    host = req.host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 literal needs its brackets in a URL (fault 6)
+    return f"{req.scheme}://{host}:{req.port}"
 
 
 class SlotKeeper:
@@ -67,10 +75,15 @@ class SlotKeeper:
         self.slot_dir_problem = ""  # why sessions cannot be saved, shown by the session API
         self.max_body_bytes = 32 * 1024 * 1024
         self.api_token = ""  # slotkeeper_api_token: see api.management_access
-        # Blocking work (state-file lock, /slots, save/restore, slot-lock waits) runs here, off
-        # the event loop. Waits for a busy slot can be long, so more threads than asyncio's
-        # default pool (cores + 4) gives.
+        # Blocking work runs off the event loop, in two pools (issue #11, fault 2):
+        # - `pool`: routing and API calls, which may wait (bounded, slotkeeper_lock_timeout)
+        #   for a busy slot's lease; more threads than asyncio's default pool gives.
+        # - `release_pool`: what ends requests (finish: record, release the lease) and the
+        #   idle saves and health polls. It never waits for a lease held by a request, so the
+        #   releases that end those waits never queue behind them.
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="slotkeeper")
+        self.release_pool = ThreadPoolExecutor(max_workers=8,
+                                               thread_name_prefix="slotkeeper-release")
         self._watcher: asyncio.Task | None = None
         self.idle_save_seconds = 5
         self.in_flight = 0  # completion requests routed and not yet finished
@@ -115,33 +128,41 @@ class SlotKeeper:
                           "System prompts (plus tools) at least this long get a seed: their KV "
                           "saved once and restored into new sessions' slots.")
         loader.add_option("slotkeeper_max_seeds", int, 8, "How many seeds to keep (0: none).")
-        loader.add_option("slotkeeper_disk_max_mb", int, 0,
+        loader.add_option("slotkeeper_disk_max_mb", int, DEFAULT_DISK_MAX_MB,
                           "Most MiB the saved sessions may take in the slot folder; least "
                           "recently used ones are removed first (0: no limit).")
         loader.add_option("slotkeeper_disk_max_age_hours", int, 0,
                           "Saved sessions unused for longer are removed (0: no limit).")
         loader.add_option("slotkeeper_max_body_mb", int, 32,
                           "Largest request body (after decoding) slotkeeper reads, in MiB.")
+        loader.add_option("slotkeeper_lock_timeout", int, 600,
+                          "Most seconds a request waits for a busy slot (a handover, a "
+                          "client-pinned or fallback request) before it is placed another way.")
         loader.add_option("slotkeeper_api_token", str, "",
                           "Bearer token for the management endpoints (/api/..., /metrics). "
                           "Unset: they answer loopback clients only. Set: they answer every "
                           "client, and POST/DELETE calls need 'Authorization: Bearer <token>'.")
 
     def configure(self, updated: set[str]) -> None:
+        """Check every option first, then build: a bad value raises before any file is
+        touched (no state file, lock folder or orphan sweep), and the running router stays
+        (fault 6). A new router adopts what the old one knew."""
         if not any(name.startswith("slotkeeper_") for name in updated) and self.router:
             return
         opts = ctx.options
-        for name in ("slotkeeper_ttl", "slotkeeper_slots_timeout_ms",
-                     "slotkeeper_small_request_chars", "slotkeeper_slot_count",
+        for name in ("slotkeeper_ttl", "slotkeeper_small_request_chars", "slotkeeper_slot_count",
                      "slotkeeper_min_save_tokens", "slotkeeper_idle_save_seconds",
                      "slotkeeper_seed_min_chars", "slotkeeper_max_seeds",
-                     "slotkeeper_disk_max_mb", "slotkeeper_disk_max_age_hours"):
+                     "slotkeeper_disk_max_mb", "slotkeeper_disk_max_age_hours",
+                     "slotkeeper_lock_timeout"):
             if getattr(opts, name) < 0:
                 raise exceptions.OptionsError(f"{name} must be 0 or more")
-        if opts.slotkeeper_save_every_tokens < 1:
-            raise exceptions.OptionsError("slotkeeper_save_every_tokens must be at least 1")
-        if opts.slotkeeper_max_body_mb < 1:
-            raise exceptions.OptionsError("slotkeeper_max_body_mb must be at least 1")
+        for name in ("slotkeeper_slots_timeout_ms", "slotkeeper_save_every_tokens",
+                     "slotkeeper_max_body_mb"):
+            # slots_timeout_ms=0 made every /slots read time out at once: every request fell
+            # back and the upstream watcher died.
+            if getattr(opts, name) < 1:
+                raise exceptions.OptionsError(f"{name} must be at least 1")
         if opts.slotkeeper_api_token and not all(
                 "!" <= c <= "~" for c in opts.slotkeeper_api_token):
             raise exceptions.OptionsError("slotkeeper_api_token must be printable ASCII "
@@ -152,31 +173,34 @@ class SlotKeeper:
                     f"slotkeeper_session_headers: {header!r} is not a header name")
         state_path = (Path(opts.slotkeeper_state_file).expanduser() if opts.slotkeeper_state_file
                       else default_state_dir() / "state.json")
-        folder = None
-        self.slot_dir_problem = ("slotkeeper_slot_dir is not set: set it to llama-server's "
-                                 "--slot-save-path to save and restore sessions")
-        if opts.slotkeeper_slot_dir:
-            slot_dir = Path(opts.slotkeeper_slot_dir).expanduser()
-            if not slot_dir.is_dir() or not os.access(slot_dir, os.R_OK | os.W_OK | os.X_OK):
-                # Pinning still works without it: say so loudly, and in the session API.
-                self.slot_dir_problem = (f"slotkeeper_slot_dir {slot_dir} is not a folder this "
-                                         f"process can read and write (it must be "
-                                         f"llama-server's --slot-save-path): sessions are "
-                                         f"pinned but not saved")
-                log.warning(self.slot_dir_problem)
-            else:
-                self.slot_dir_problem = ""
-                folder = SlotFolder(slot_dir,
-                                    max_bytes=opts.slotkeeper_disk_max_mb * 1024 * 1024,
-                                    max_age_seconds=opts.slotkeeper_disk_max_age_hours * 3600)
-                swept = folder.sweep_orphans()
-                if swept:
-                    log.info("removed %d orphaned files from %s", swept, slot_dir)
+        slot_dir = Path(opts.slotkeeper_slot_dir).expanduser() if opts.slotkeeper_slot_dir else None
+        slot_dir_usable = slot_dir is not None and slot_dir.is_dir() and os.access(
+            slot_dir, os.R_OK | os.W_OK | os.X_OK)
+        # Everything is checked: from here on, files are made and the router replaced.
         try:
             state = StateFile(state_path)
             locks = SlotLocks(state_path.parent / "locks")
         except OSError as e:
             raise exceptions.OptionsError(f"slotkeeper_state_file {state_path}: {e}") from None
+        folder = None
+        if slot_dir is None:
+            self.slot_dir_problem = ("slotkeeper_slot_dir is not set: set it to llama-server's "
+                                     "--slot-save-path to save and restore sessions")
+        elif not slot_dir_usable:
+            # Pinning still works without it: say so loudly, and in the session API.
+            self.slot_dir_problem = (f"slotkeeper_slot_dir {slot_dir} is not a folder this "
+                                     f"process can read and write (it must be "
+                                     f"llama-server's --slot-save-path): sessions are "
+                                     f"pinned but not saved")
+            log.warning(self.slot_dir_problem)
+        else:
+            self.slot_dir_problem = ""
+            folder = SlotFolder(slot_dir,
+                                max_bytes=opts.slotkeeper_disk_max_mb * 1024 * 1024,
+                                max_age_seconds=opts.slotkeeper_disk_max_age_hours * 3600)
+            swept = folder.sweep_orphans()
+            if swept:
+                log.info("removed %d orphaned files from %s", swept, slot_dir)
         self.identity_config = IdentityConfig(
             extra_headers=tuple(opts.slotkeeper_session_headers),
             children_share_parent=opts.slotkeeper_children_share_parent,
@@ -184,12 +208,13 @@ class SlotKeeper:
         self.max_body_bytes = opts.slotkeeper_max_body_mb * 1024 * 1024
         self.api_token = opts.slotkeeper_api_token
         self.idle_save_seconds = opts.slotkeeper_idle_save_seconds
-        self.router = Router(
+        router = Router(
             RouterConfig(
                 ttl=float(opts.slotkeeper_ttl),
                 slots_timeout=opts.slotkeeper_slots_timeout_ms / 1000,
                 small_request_chars=opts.slotkeeper_small_request_chars,
                 slot_count=opts.slotkeeper_slot_count,
+                lock_timeout=float(opts.slotkeeper_lock_timeout),
                 min_save_tokens=opts.slotkeeper_min_save_tokens,
                 erase_on_handover=not opts.slotkeeper_keep_prefix,
                 save_every_tokens=opts.slotkeeper_save_every_tokens,
@@ -198,6 +223,9 @@ class SlotKeeper:
             ),
             state, locks, folder,
         )
+        if self.router is not None and self.router.state.path == state_path:
+            router.adopt(self.router)
+        self.router = router
 
     # ---- hooks -----------------------------------------------------------------------------
 
@@ -230,10 +258,15 @@ class SlotKeeper:
         route = await self._route(flow, ident, client_slot, data)
         if route is None:
             return
+        try:
+            pinned_slot = route.slot if route.action != CLIENT else None
+            write_body(flow, bodies.pin(data, pinned_slot))
+        except Exception:
+            # Not forwarded as routed: the lease must not outlive this hook (fault 1).
+            route.release()
+            raise
         flow.metadata[ROUTE_KEY] = route
         self.in_flight += 1
-        pinned_slot = route.slot if route.action != CLIENT else None
-        write_body(flow, bodies.pin(data, pinned_slot))
         describe(flow, ident, route)
         metrics.routed(flow.request.path, route)
         log.info("%s (%s) -> slot %s, %s%s in %.1f ms", route.session, route.rule,
@@ -333,7 +366,7 @@ class SlotKeeper:
         assert self.router is not None
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self.pool, self.router.finish, route, timings)
+            await loop.run_in_executor(self.release_pool, self.router.finish, route, timings)
         except Exception:
             route.release()
             log.exception("recording the end of a request failed")
@@ -346,7 +379,8 @@ class SlotKeeper:
     def _save_if_idle(self, route: Route, ended: float) -> None:
         router = self.router
         if router is not None:
-            self.pool.submit(_logged, router.save_if_idle, route.upstream, route.session, ended)
+            self.release_pool.submit(_logged, router.save_if_idle, route.upstream, route.session,
+                                     ended)
 
     def _timings(self, flow: http.HTTPFlow) -> Timings | None:
         watcher: SseTimingsWatcher | None = flow.metadata.pop(WATCH_KEY, None)
@@ -373,7 +407,11 @@ class SlotKeeper:
             for url, info in router.known_upstreams():
                 if info.suspect:
                     continue
-                healthy = await loop.run_in_executor(self.pool, info.client.healthy)
+                try:
+                    healthy = await loop.run_in_executor(self.release_pool, info.client.healthy)
+                except Exception:  # the watcher must outlive any one failure (fault 6)
+                    log.exception("%s: health check failed unexpectedly", url)
+                    healthy = False
                 if not healthy:
                     log.info("%s: /health failed; slots will be verified", url)
                     router.mark_suspect(url)
@@ -399,6 +437,7 @@ class SlotKeeper:
             saved = await loop.run_in_executor(self.pool, self.router.save_all)
             log.info("shutdown: saved %d sessions", saved)
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.release_pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _WhenAwaited:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import json
 import logging
 import re
@@ -13,7 +11,8 @@ from urllib.parse import unquote
 
 from mitmproxy import http
 
-from .router import NoSlotDir, SessionAdmin, SlotBusy
+from .access import READ_METHODS, is_loopback, management_access  # noqa: F401 (re-exported)
+from .admin import NoSlotDir, SessionAdmin, SlotBusy
 
 if TYPE_CHECKING:
     from .addon import SlotKeeper
@@ -33,59 +32,6 @@ def json_response(status: int, payload: Any) -> http.Response:
 
 def error(status: int, message: str) -> http.Response:
     return json_response(status, {"error": {"code": status, "message": message}})
-
-
-# ---- who may call the management endpoints ---------------------------------------------------
-
-READ_METHODS = frozenset({"GET", "HEAD"})
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 and IPv4-mapped loopback (::ffff:127.0.0.1); anything else, including
-    a name or garbage, is not."""
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return (mapped or ip).is_loopback
-
-
-def management_access(flow: http.HTTPFlow, token: str) -> http.Response | None:
-    """The one access check for slotkeeper's own endpoints (/api/..., /metrics): None when the
-    call may go on, else the answer to give instead.
-
-    - No token configured: loopback clients only (403 for others), every method.
-    - A token configured (slotkeeper_api_token): loopback clients may read (GET, HEAD)
-      without it; every other call needs `Authorization: Bearer <token>` (401 without it):
-      changes from any client, and reads from other machines, since the session list names
-      every user's sessions.
-    The Authorization header is redacted from the flow, so mitmweb never shows the token."""
-    peer = flow.client_conn.peername
-    host = str(peer[0]) if peer else ""
-    if not token:
-        if is_loopback(host):
-            return None
-        log.warning("management call %s %s from %s refused: loopback only (no "
-                    "slotkeeper_api_token)", flow.request.method, flow.request.path[:100], host)
-        return error(403, "slotkeeper's management endpoints answer loopback clients only; "
-                          "set slotkeeper_api_token to allow other clients")
-    given = flow.request.headers.get("authorization", "")
-    if given:
-        flow.request.headers["authorization"] = "Bearer <redacted>"
-    if flow.request.method.upper() in READ_METHODS and is_loopback(host):
-        return None
-    scheme, _, value = given.strip().partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(
-            value.strip().encode("utf-8", "surrogatepass"), token.encode()):
-        return None
-    log.warning("management call %s %s from %s refused: missing or wrong API token",
-                flow.request.method, flow.request.path[:100], host)
-    response = error(401, "send 'Authorization: Bearer <token>' with the token set in "
-                          "slotkeeper_api_token (needed for changes, and for reads from "
-                          "other machines)")
-    response.headers["WWW-Authenticate"] = 'Bearer realm="slotkeeper"'
-    return response
 
 
 class SessionApi:

@@ -16,7 +16,10 @@ from pathlib import Path
 
 
 class SlotLease:
-    """A held slot lock. release() is idempotent and never blocks."""
+    """A held lock. release() is idempotent and never blocks. A context manager: `with
+    lease:` releases it on every way out; code that hands a lease on (to a Route that lives
+    until the response ends) enters it in an ExitStack and pops the stack only once the
+    hand-over is complete, so an exception in between still releases it (issue #11 fault 1)."""
 
     def __init__(self, fd: int, exclusive: bool) -> None:
         self._fd: int | None = fd
@@ -30,6 +33,12 @@ class SlotLease:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)  # closing the file drops the flock
+
+    def __enter__(self) -> SlotLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class SlotLocks:
@@ -59,9 +68,36 @@ class SlotLocks:
     ) -> SlotLease | None:
         """Blocking with a deadline (worker threads only). Polls, because flock has no timeout;
         the wait is for another request on the same slot, so 20 ms steps lose little."""
-        deadline = time.monotonic() + timeout
-        while True:
-            lease = self.try_acquire(upstream, slot, exclusive)
-            if lease is not None or time.monotonic() >= deadline:
-                return lease
-            time.sleep(0.02)
+        return _poll(lambda: self.try_acquire(upstream, slot, exclusive), timeout)
+
+    # ---- one save pipeline per snapshot --------------------------------------------------------
+
+    def snapshot_path(self, snapshot_id: str) -> Path:
+        tag = hashlib.sha256(snapshot_id.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+        return self.folder / f"snapshot-{tag}.lock"
+
+    def snapshot(self, snapshot_id: str, timeout: float) -> SlotLease | None:
+        """The lock of one session's (or seed's) snapshot files, held across save, verify,
+        commit and the meta write, and around every read-modify-write of its meta, in every
+        thread and process (issue #11 fault 4). Exclusive; None after `timeout` seconds."""
+        path = self.snapshot_path(snapshot_id)
+
+        def attempt() -> SlotLease | None:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            return SlotLease(fd, exclusive=True)
+
+        return _poll(attempt, timeout)
+
+
+def _poll(attempt, timeout: float) -> SlotLease | None:
+    deadline = time.monotonic() + timeout
+    while True:
+        lease = attempt()
+        if lease is not None or time.monotonic() >= deadline:
+            return lease
+        time.sleep(0.02)

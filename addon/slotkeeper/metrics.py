@@ -288,13 +288,13 @@ class MetricsEndpoint:
     async def request(self, flow: http.HTTPFlow) -> None:
         from mitmproxy import http
 
+        from .access import management_access
+
         if flow.response is not None or not _METRICS_PATH.match(
                 flow.request.path.split("?", 1)[0]):
             return
         flow.marked = ":bar_chart:"
         flow.comment = "slotkeeper metrics"
-        from .api import management_access  # here: api imports router, which imports us
-
         denied = management_access(flow, self.keeper.api_token)
         if denied is not None:
             flow.response = denied

@@ -1,41 +1,73 @@
-"""Routing: which slot a request goes to, and the handover when a slot changes hands.
+"""Routing: one request's walk from its identity to a slot, and the handover when a slot
+changes hands. Blocking except `try_keep`: worker threads.
 
-Ties the pure parts (identity, choice) to the I/O (state file, slot locks, upstream client,
-slot files). `try_keep` is the fast path and never blocks; everything else runs in worker
-threads."""
+The walk visits each room once: policy (pure: which conversation, main or side, which slot),
+access (locks: the slot's lease), the state file (the claim), the snapshot service (save the
+outgoing session, restore the incoming one), and hands the lease to the Route, which holds it
+until the response ends. Every lease is entered in an ExitStack the moment it is acquired and
+handed over only when the Route is complete, so any exception on the way releases it (issue
+#11, fault 1). Every request that runs on a slot holds that slot's lease: kept, handed over,
+side, client-pinned and fallback requests alike (fault 3)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path  # noqa: F401 (kept for callers that import it from here)
+from typing import Generic, TypeVar
 
-from . import choice, metrics
+from . import choice, metrics, policy
+from .admin import ADMIN_LOCK_TIMEOUT, NoSlotDir, SessionAdmin, SlotBusy  # noqa: F401 (re-exported)
 from .bodies import Timings
 from .choice import SlotView
 from .identity import Identity
 from .locks import SlotLease, SlotLocks
-from .seeds import SeedBuilder, seed_id
-from .slotfiles import SessionMeta, SlotFolder, file_name_for
+from .policy import Conversation
+from .seeds import SeedBuilder
+from .slotfiles import SlotFolder
+from .snapshots import Snapshots, seed_id
 from .state import SlotRecord, StateDoc, StateFile
 from .upstream import ServerProps, SlotsUnavailable, Upstream, UpstreamError
 
 log = logging.getLogger("slotkeeper")
-
-ADMIN_LOCK_TIMEOUT = 30.0  # an API call waits this long for a slot's request to finish
 
 # How a request was routed; also the flow marker names.
 KEPT = "kept"  # the session's slot, still holding its KV
 ASSIGNED = "assigned"  # a slot newly given to the session, starting cold
 RESTORED = "restored"  # newly given, with the session's saved KV restored
 SEEDED = "seeded"  # newly given, starting from its system prompt's saved KV (a seed)
-SIDE = "side"  # a small side request, placed without claiming a slot
+SIDE = "side"  # a side request, placed without claiming a slot
 CLIENT = "client"  # the client chose id_slot itself
 FALLBACK = "fallback"  # /slots unusable: a stable hash of the session over the slot count
 UNPINNED = "unpinned"  # no slot count known: forwarded as it came
+OWNING = frozenset({KEPT, ASSIGNED, RESTORED, SEEDED})
+
+# Per-session memories of this process are bounded: the oldest are forgotten first. A
+# forgotten session loses only exactness (the state file and metas still hold what matters).
+MAX_REMEMBERED_SESSIONS = 4096
+MAX_FORKS_PER_OPENING = 16
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Recent(OrderedDict, Generic[K, V]):
+    """A dict that keeps only the `limit` most recently written keys."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
 
 
 @dataclass
@@ -44,7 +76,7 @@ class RouterConfig:
     slots_timeout: float = 1.0
     small_request_chars: int = 2000
     slot_count: int = 0  # used when /props does not say
-    lock_timeout: float = 600.0  # a handover waits at most this long for a busy slot
+    lock_timeout: float = 600.0  # a request waits at most this long for a busy slot's lease
     min_save_tokens: int = 256  # smaller sessions re-prefill in about a second: not worth a file
     erase_on_handover: bool = True
     usage_write_interval: float = 2.0
@@ -66,10 +98,17 @@ class Route:
     ms: float = 0.0
     messages: int = 0
     seed_key: str | None = None
+    conversation: Conversation | None = None  # what the slot holds for the session afterwards
+    _on_release: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def release(self) -> None:
+        """Idempotent, never blocks: drops the lease and this process's count of the
+        session's running requests."""
         if self.lease is not None:
             self.lease.release()
+        callbacks, self._on_release = self._on_release, []
+        for callback in callbacks:
+            callback()
 
 
 @dataclass(frozen=True)
@@ -87,10 +126,12 @@ class UpstreamInfo:
     props: ServerProps | None = None
     checked: bool = False  # props read and warnings logged since the last suspicion
     suspect: bool = True  # may have restarted: verify before trusting residency
-    usage_written: dict[str, float] = field(default_factory=dict)
+    usage_written: Recent[str, float] = field(
+        default_factory=lambda: Recent(MAX_REMEMBERED_SESSIONS))
     # session -> (when its last request here ended, tokens in its slot then); exact where the
     # state file's copy may lag by the coalescing interval.
-    last_seen: dict[str, Seen] = field(default_factory=dict)
+    last_seen: Recent[str, Seen] = field(default_factory=lambda: Recent(MAX_REMEMBERED_SESSIONS))
+    cleared_warned: bool = False
 
     def messages_of(self, session: str, recorded: int) -> int:
         """Messages in the session's slot: the state file's count lags by the coalescing
@@ -115,8 +156,29 @@ class Router:
         self.clock = clock
         self._upstreams: dict[str, UpstreamInfo] = {}
         self._mutex = threading.Lock()
-        self.seeds = (SeedBuilder(self, config.seed_min_chars, config.max_seeds)
-                      if folder is not None else None)
+        self.snapshots = Snapshots(folder, locks, clock) if folder is not None else None
+        self.seeds = (SeedBuilder(self.snapshots, config.seed_min_chars, config.max_seeds)
+                      if self.snapshots is not None else None)
+        # (upstream, session) -> the session's main conversation as last routed here.
+        self._conversations: Recent[tuple[str, str], Conversation] = Recent(
+            MAX_REMEMBERED_SESSIONS)
+        # content id of an opening -> {session: conversation} of the conversations that opened so
+        self._openings: Recent[str, dict[str, Conversation]] = Recent(MAX_REMEMBERED_SESSIONS)
+        # (upstream, session) -> requests of the session running in this process
+        self._running: dict[tuple[str, str], int] = {}
+
+    def adopt(self, old: Router) -> None:
+        """An option changed and a new router replaces `old`: keep what it knew (upstream
+        props and the sessions it saw), not only what the state file says (fault 6)."""
+        with old._mutex:
+            upstreams = dict(old._upstreams)
+        for url, info in upstreams.items():
+            mine = self.upstream(url)
+            mine.props, mine.checked, mine.suspect = info.props, info.checked, True
+            mine.last_seen.update(info.last_seen)
+            mine.usage_written.update(info.usage_written)
+        self._conversations.update(old._conversations)
+        self._openings.update(old._openings)
 
     # ---- upstream bookkeeping -------------------------------------------------------------
 
@@ -151,9 +213,12 @@ class Router:
         except SlotsUnavailable:
             slots = None
         if not info.checked:
-            _warn_about_settings(url, props, slots, info.client.n_ctx_train())
+            for line in policy.advice(url=url, total_slots=props.total_slots,
+                                      slots_readable=slots is not None):
+                log.warning(line)
         info.props, info.checked, info.suspect = props, True, False
         info.client.slot_actions_disabled = False  # a restarted server may have the flag now
+        cleared: list[int] = []
 
         def reconcile(doc: StateDoc) -> bool:
             up = doc.upstream(url)
@@ -168,10 +233,85 @@ class Router:
                 elif live is not None and not rec.stale and live[slot_id].n_tokens == 0:
                     rec.stale = True  # the server lost this slot's KV (restart, or cleared)
                     dropped = True
+                    if not restarted:
+                        cleared.append(slot_id)
             return dropped
 
         if self.state.update(reconcile):
             log.info("%s: slots lost their KV (server restarted?): sessions will be restored", url)
+        if cleared and not info.cleared_warned:
+            info.cleared_warned = True
+            log.warning("%s: slot(s) %s lost their session's KV while the same server kept "
+                        "running: idle slots are being cleared (--cache-idle-slots with the "
+                        "automatic slot count?); start llama-server with an explicit -np N",
+                        url, cleared)
+
+    # ---- conversations (policy decides, the router remembers) -------------------------------
+
+    def _resolve(self, url: str, ident: Identity) -> Identity:
+        """A content-identified request continues the conversation it extends, or forks a
+        session of its own (fault 5). Known conversations: this process's memory, and the
+        claims in the state file (other processes, or before a restart)."""
+        if ident.rule != "content" or not ident.chain:
+            return ident
+        known: dict[str, Conversation] = {}
+        up = self.state.read().upstreams.get(url)
+        for rec in up.slots.values() if up else ():
+            if rec.chain_head and _opening_of(rec.owner) == ident.session_id:
+                known[rec.owner] = Conversation(rec.system_key or None, rec.chain_length,
+                                                rec.chain_head, rec.chars)
+        known.update(self._openings.get(ident.session_id, {}))
+        session = policy.resolve_content(ident.session_id, ident.chain, known)
+        if session == ident.session_id:
+            return ident
+        return _with_session(ident, session)
+
+    def _conversation_of(self, url: str, session: str,
+                         rec: SlotRecord | None) -> Conversation | None:
+        remembered = self._conversations.get((url, session))
+        if remembered is not None:
+            return remembered
+        if rec is not None and rec.owner == session and rec.chain_head:
+            return Conversation(rec.system_key or None, rec.chain_length, rec.chain_head,
+                                rec.chars)
+        return None
+
+    def _kind(self, url: str, ident: Identity, rec: SlotRecord | None) -> str:
+        return policy.classify(
+            chain=ident.chain, system_key=ident.seed_key, prompt_chars=ident.prompt_chars,
+            small_request_chars=self.config.small_request_chars,
+            resident=self._conversation_of(url, ident.session_id, rec),
+            own_request_running=self._running.get((url, ident.session_id), 0) > 0)
+
+    def _begin(self, route: Route, ident: Identity) -> Route:
+        """A route that runs on a slot the session owns: remember its conversation, count it
+        as running until its lease is released."""
+        if route.action not in OWNING:
+            return route
+        key = (route.upstream, route.session)
+        conversation = Conversation.of(ident.chain, ident.seed_key, ident.prompt_chars)
+        route.conversation = conversation
+        self._conversations[key] = conversation
+        if ident.rule == "content" and ident.chain:
+            opening = _opening_of(route.session)
+            forks = self._openings.get(opening) or {}
+            forks[route.session] = conversation
+            while len(forks) > MAX_FORKS_PER_OPENING:
+                forks.pop(next(iter(forks)))
+            self._openings[opening] = forks
+        with self._mutex:
+            self._running[key] = self._running.get(key, 0) + 1
+
+        def done() -> None:
+            with self._mutex:
+                left = self._running.get(key, 1) - 1
+                if left > 0:
+                    self._running[key] = left
+                else:
+                    self._running.pop(key, None)
+
+        route._on_release.append(done)
+        return route
 
     # ---- the fast path ---------------------------------------------------------------------
 
@@ -180,108 +320,160 @@ class Router:
         shared flock, no network. None means: take the slow path."""
         started = time.monotonic()
         info = self._upstreams.get(url)
-        if info is None or info.suspect or self._is_side_request(ident):
+        if info is None or info.suspect:
             return None
-        slot = self._resident_slot(self.state.read(), url, ident.session_id)
+        ident = self._resolve(url, ident)
+        doc = self.state.read()
+        slot = _resident_slot(doc, url, ident.session_id)
         if slot is None:
+            return None
+        if self._kind(url, ident, doc.upstreams[url].slots[slot]) != policy.MAIN:
             return None
         lease = self.locks.try_acquire(url, slot, exclusive=False)
         if lease is None:
             return None
-        # Re-check under the lock: a handover elsewhere may have claimed the slot meanwhile.
-        if self._resident_slot(self.state.read(), url, ident.session_id) != slot:
-            lease.release()
-            return None
-        return Route(url, ident.session_id, ident.rule, slot, KEPT, lease=lease,
-                     messages=ident.message_count, ms=(time.monotonic() - started) * 1000)
-
-    @staticmethod
-    def _resident_slot(doc: StateDoc, url: str, session: str) -> int | None:
-        up = doc.upstreams.get(url)
-        if up is None:
-            return None
-        slot = up.slot_of(session)
-        if slot is None or up.slots[slot].stale:
-            return None
-        return slot
-
-    def _is_side_request(self, ident: Identity) -> bool:
-        return ident.prompt_chars < self.config.small_request_chars
+        with ExitStack() as stack:
+            stack.enter_context(lease)
+            # Re-check under the lock: a handover elsewhere may have claimed the slot meanwhile.
+            if _resident_slot(self.state.read(), url, ident.session_id) != slot:
+                return None
+            route = Route(url, ident.session_id, ident.rule, slot, KEPT, lease=lease,
+                          messages=ident.message_count, seed_key=ident.seed_key,
+                          ms=(time.monotonic() - started) * 1000)
+            self._begin(route, ident)
+            stack.pop_all()
+            return route
 
     # ---- the slow path (worker thread) -----------------------------------------------------
 
     def route(self, url: str, ident: Identity, client_slot: int | None = None,
               path: str = "", body: dict | None = None) -> Route:
         started = time.monotonic()
+        ident = self._resolve(url, ident)
         info = self.upstream(url)
         if info.suspect or not info.checked:
             self._verify(url, info)
         if client_slot is not None:
-            route = Route(url, ident.session_id, ident.rule, client_slot, CLIENT,
-                          detail="id_slot chosen by the client")
+            route = self._route_client(url, info, ident, client_slot)
         else:
             try:
                 slots = info.client.slots()
             except SlotsUnavailable as e:
-                route = self._fallback(url, info, ident, str(e))
+                route = self._fallback(url, info, ident, str(e), self.config.lock_timeout)
             else:
-                route = (self._route_side(url, info, ident, slots) if self._is_side_request(ident)
-                         else self._route_session(url, info, ident, slots, path, body))
+                up = self.state.read().upstreams.get(url)
+                owned = up.slot_of(ident.session_id) if up else None
+                kind = self._kind(url, ident, up.slots[owned] if owned is not None else None)
+                if kind == policy.SIDE:
+                    route = self._route_side(url, info, ident, slots)
+                else:
+                    route = self._route_session(url, info, ident, slots, path, body,
+                                                move=kind == policy.MOVE)
         route.messages = ident.message_count
         route.seed_key = ident.seed_key
         route.ms = (time.monotonic() - started) * 1000
-        return route
+        return self._begin(route, ident)
 
-    def _fallback(self, url: str, info: UpstreamInfo, ident: Identity, why: str) -> Route:
+    def _fallback(self, url: str, info: UpstreamInfo, ident: Identity, why: str,
+                  wait: float) -> Route:
+        """/slots unusable (or no slot could be had): a stable hash of the session over the
+        slot count, under that slot's lease like any other request on a slot."""
         count = (info.props.total_slots if info.props else 0) or self.config.slot_count
         slot = choice.fallback_slot(ident.session_id, count)
         metrics.fallback(why)
         if slot is None:
+            # The server picks the slot: any claim may be overwritten, so none is trusted.
+            self._mark_all_stale(url)
             return Route(url, ident.session_id, ident.rule, None, UNPINNED,
                          detail=f"{why}; slot count unknown")
-        return Route(url, ident.session_id, ident.rule, slot, FALLBACK,
-                     detail=f"{why}; hashed over {count} slots")
+        lease = self.locks.acquire(url, slot, exclusive=True, timeout=wait)
+        with ExitStack() as stack:
+            detail = f"{why}; hashed over {count} slots"
+            if lease is None:
+                detail += "; slot stayed busy, forwarded without its lease"
+                self._displace(url, info, slot, ident.session_id, 0, save=False)
+            else:
+                stack.enter_context(lease)
+                note = self._displace(url, info, slot, ident.session_id, 0)
+                detail += f"; {note}" if note else ""
+            route = Route(url, ident.session_id, ident.rule, slot, FALLBACK, detail=detail,
+                          lease=lease)
+            stack.pop_all()
+            return route
+
+    def _route_client(self, url: str, info: UpstreamInfo, ident: Identity,
+                      slot: int) -> Route:
+        """The client chose id_slot: it runs there whatever we say, so it takes the slot's
+        lease (waiting for the request on it) and the slot's owner is saved first and marked
+        stale, so a later handover never saves the client's KV as the owner's snapshot."""
+        lease = self.locks.acquire(url, slot, exclusive=True, timeout=self.config.lock_timeout)
+        with ExitStack() as stack:
+            detail = "id_slot chosen by the client"
+            if lease is None:
+                detail += "; slot stayed busy, forwarded without its lease"
+                self._displace(url, info, slot, ident.session_id, 0, save=False)
+            else:
+                stack.enter_context(lease)
+                note = self._displace(url, info, slot, ident.session_id, 0)
+                detail += f"; {note}" if note else ""
+            route = Route(url, ident.session_id, ident.rule, slot, CLIENT, detail=detail,
+                          lease=lease)
+            stack.pop_all()
+            return route
 
     def _route_session(self, url: str, info: UpstreamInfo, ident: Identity,
-                       slots: list[SlotView], path: str, body: dict | None) -> Route:
+                       slots: list[SlotView], path: str, body: dict | None,
+                       move: bool = False) -> Route:
         session = ident.session_id
         live_ids = {s.id for s in slots}
         for _attempt in range(5):
             doc = self.state.read()
             up = doc.upstreams.get(url)
             owned = up.slot_of(session) if up else None
-            if owned is not None and owned in live_ids:
+            if owned is not None and owned in live_ids and not move:
                 rec = up.slots[owned]
                 lease = self.locks.acquire(url, owned, exclusive=rec.stale,
                                            timeout=self.config.lock_timeout)
                 if lease is None:
                     break
-                current = self.state.read().upstreams.get(url)
-                if current is None or current.slot_of(session) != owned:
-                    lease.release()
-                    continue
-                if not current.slots[owned].stale:
-                    return Route(url, session, ident.rule, owned, KEPT, lease=lease)
-                if not lease.exclusive:
-                    lease.release()
-                    continue
-                return self._handover(url, info, ident, owned, lease, previous=None,
-                                      live_tokens=0, path=path, body=body)
+                with ExitStack() as stack:
+                    stack.enter_context(lease)
+                    current = self.state.read().upstreams.get(url)
+                    if current is None or current.slot_of(session) != owned:
+                        continue
+                    if not current.slots[owned].stale:
+                        route = Route(url, session, ident.rule, owned, KEPT, lease=lease)
+                    elif not lease.exclusive:
+                        continue
+                    else:
+                        route = self._handover(url, info, ident, owned, lease, previous=None,
+                                               live_tokens=0, path=path, body=body)
+                    stack.pop_all()
+                    return route
             claims = up.claims() if up else {}
             ranking = choice.rank_slots(slots, claims, self.clock(), self.config.ttl)
+            if move and owned is not None:
+                ranking = [s for s in ranking if s != owned] or ranking
             if not ranking:
-                return self._fallback(url, info, ident, "server reports no slots")
+                return self._fallback(url, info, ident, "server reports no slots",
+                                      self.config.lock_timeout)
             lease, slot = self._lock_first_free(url, ranking)
             if lease is None:
                 break
-            claimed = self._claim(url, slot, ident, expected=claims.get(slot),
-                                  live_ids=live_ids)
-            if claimed is None:
-                lease.release()
-                continue
-            return self._handover(url, info, ident, slot, lease, previous=claimed[0],
-                                  live_tokens=_tokens_in(slots, slot), path=path, body=body)
-        return self._fallback(url, info, ident, "no slot could be locked in time")
+            with ExitStack() as stack:
+                stack.enter_context(lease)
+                claimed = self._claim(url, slot, ident, expected=claims.get(slot),
+                                      live_ids=live_ids, move=move)
+                if claimed is None:
+                    continue
+                route = self._handover(url, info, ident, slot, lease, previous=claimed[0],
+                                       live_tokens=_tokens_in(slots, slot), path=path, body=body)
+                if move:
+                    route.detail = "; ".join(filter(None, [
+                        "moved off the slot running the session's other request", route.detail]))
+                stack.pop_all()
+                return route
+        return self._fallback(url, info, ident, "no slot could be locked in time", 0.0)
 
     def _lock_first_free(self, url: str, ranking: list[int]) -> tuple[SlotLease | None, int]:
         for slot in ranking:
@@ -292,53 +484,74 @@ class Router:
         return self.locks.acquire(url, best, True, self.config.lock_timeout), best
 
     def _claim(self, url: str, slot: int, ident: Identity, expected: choice.Claim | None,
-               live_ids: set[int]) -> tuple[SlotRecord | None] | None:
+               live_ids: set[int], move: bool = False) -> tuple[SlotRecord | None] | None:
         """Write the claim. Refuse (None) when the slot was claimed by a live session after we
-        ranked it, or when this session got a slot elsewhere meanwhile: the caller re-ranks."""
+        ranked it, or when this session got a slot elsewhere meanwhile: the caller re-ranks.
+        `move`: the session leaves its other slot (running its other request) for this one."""
         now = self.clock()
 
         def change(doc: StateDoc) -> tuple[SlotRecord | None] | None:
             up = doc.upstream(url)
             other = up.slot_of(ident.session_id)
             if other is not None and other != slot:
-                if other in live_ids:
+                if other in live_ids and not move:
                     return None
-                del up.slots[other]  # a slot the server no longer has
+                del up.slots[other]  # a slot the server no longer has, or the one we leave
             previous = up.slots.get(slot)
             if previous is not None and previous.claim() != expected and not choice.is_abandoned(
                 previous.claim(), now, self.config.ttl
             ) and previous.owner != ident.session_id:
                 return None
             up.slots[slot] = SlotRecord(owner=ident.session_id, claimed=now, last_used=now,
-                                        stale=True, messages=ident.message_count)
+                                        stale=True, messages=ident.message_count,
+                                        **_conversation_fields(ident))
             return (previous,)
 
         return self.state.update(change)
 
     def _route_side(self, url: str, info: UpstreamInfo, ident: Identity,
                     slots: list[SlotView]) -> Route:
-        """A small request (titles, tags, a first "hi") goes to the best slot without claiming
-        it. If that slot belongs to a session, its KV is saved first (when it is worth it) and
-        the claim is marked stale, so the owner is restored on its next request."""
+        """A side request (a small prompt, or not the session's conversation) goes to the best
+        slot without claiming it, and never to its own session's slot while another is free.
+        If that slot belongs to a session, its KV is saved first (when it is worth it) and the
+        claim is marked stale, so the owner is restored on its next request."""
         doc = self.state.read()
         up = doc.upstreams.get(url)
         claims = up.claims() if up else {}
         ranking = choice.rank_slots(slots, claims, self.clock(), self.config.ttl)
+        own = up.slot_of(ident.session_id) if up else None
+        ranking = [s for s in ranking if s != own] or ranking
         if not ranking:
-            return self._fallback(url, info, ident, "server reports no slots")
+            return self._fallback(url, info, ident, "server reports no slots",
+                                  self.config.lock_timeout)
         lease, slot = self._lock_first_free(url, ranking)
         if lease is None:
+            self._mark_all_stale(url)
             return Route(url, ident.session_id, ident.rule, None, UNPINNED,
-                         detail="small request; every slot busy")
+                         detail="side request; every slot busy")
+        with ExitStack() as stack:
+            stack.enter_context(lease)
+            detail = "side request, slot not claimed"
+            note = self._displace(url, info, slot, None, _tokens_in(slots, slot))
+            detail += f"; {note}" if note else ""
+            route = Route(url, ident.session_id, ident.rule, slot, SIDE, detail=detail,
+                          lease=lease)
+            stack.pop_all()
+            return route
+
+    def _displace(self, url: str, info: UpstreamInfo, slot: int, session: str | None,
+                  live_tokens: int, save: bool = True) -> str:
+        """A request that is not the owner's is about to run on `slot`: save the owner's KV
+        if it is worth it (we hold the slot's lease) and mark its claim stale, so nothing
+        later takes the slot's new content for the owner's. "" when nobody was displaced."""
         current = self.state.read().upstreams.get(url)
         rec = current.slots.get(slot) if current else None
-        detail = "small request, slot not claimed"
-        if rec is not None and not rec.stale:
-            saved = self._save_if_worth(url, info, slot, rec, _tokens_in(slots, slot))
-            metrics.eviction("side", saved)
-            self._mark_stale(url, slot, rec.owner)
-            detail += f"; {rec.owner} will be restored" if saved else f"; displaced {rec.owner}"
-        return Route(url, ident.session_id, ident.rule, slot, SIDE, detail=detail, lease=lease)
+        if rec is None or rec.stale or rec.owner == session:
+            return ""
+        saved = save and self._save_if_worth(url, info, slot, rec, live_tokens)
+        metrics.eviction("side", saved)
+        self._mark_stale(url, slot, rec.owner)
+        return f"{rec.owner} will be restored" if saved else f"displaced {rec.owner}"
 
     # ---- handover --------------------------------------------------------------------------
 
@@ -360,28 +573,25 @@ class Router:
             if saved:
                 notes.append(f"saved {previous.owner}")
         action, restored = ASSIGNED, 0
-        if self.folder is not None and info.props is not None:
-            ok, reason = self._check(info, session, ident.message_count)
-            if ok:
-                restored = self._restore(info, slot, session, notes)
-                action = RESTORED if restored else ASSIGNED
-            elif reason != "no snapshot":
-                notes.append(f"snapshot not used: {reason}")
+        snapshots, props = self.snapshots, info.props
+        if snapshots is not None and props is not None:
+            restored = snapshots.restore(info.client, props, slot, session, ident.message_count,
+                                         notes)
+            action = RESTORED if restored else ASSIGNED
             if not restored and ident.seed_key is not None:
-                seed = seed_id(ident.seed_key)
-                if self._check(info, seed, ident.message_count)[0]:
-                    restored = self._restore(info, slot, seed, notes, what="seed")
-                    action = SEEDED if restored else ASSIGNED
+                restored = snapshots.restore(info.client, props, slot, seed_id(ident.seed_key),
+                                             ident.message_count, notes, what="seed")
+                action = SEEDED if restored else ASSIGNED
         if not restored and self.config.erase_on_handover:
             try:
                 with metrics.timed("erase"):
                     info.client.erase(slot)
             except UpstreamError as e:
                 notes.append(f"erase failed ({e})")
-        if (not restored and self.seeds is not None and ident.seed_key is not None
-                and body is not None):
+        if (not restored and self.seeds is not None and props is not None
+                and ident.seed_key is not None and body is not None):
             started = time.monotonic()
-            built = self.seeds.build(url, info, slot, ident, path, body)
+            built = self.seeds.build(info.client, props, slot, ident, path, body)
             if built:
                 metrics.seed_built(built, time.monotonic() - started)
                 action, restored = SEEDED, built
@@ -394,42 +604,6 @@ class Router:
         return Route(url, session, ident.rule, slot, action, detail="; ".join(notes),
                      lease=lease, restored_tokens=restored)
 
-    def _check(self, info: UpstreamInfo, session: str, message_count: int) -> tuple[bool, str]:
-        assert self.folder is not None and info.props is not None
-        return self.folder.check(session, fingerprint=info.props.fingerprint,
-                                 n_ctx=info.props.n_ctx, message_count=message_count)
-
-    def _restore(self, info: UpstreamInfo, slot: int, session: str, notes: list[str],
-                 what: str = "") -> int:
-        """Restore a snapshot into the slot; tokens restored, 0 on failure. A failed restore
-        may leave the slot half-written, so it is erased and the request starts clean."""
-        t0 = time.monotonic()
-        try:
-            answer = info.client.restore(slot, file_name_for(session))
-        except UpstreamError as e:
-            notes.append(f"{what or 'snapshot'} restore failed ({e})")
-            metrics.slot_op("restore", ok=False)
-            try:
-                with metrics.timed("erase"):
-                    info.client.erase(slot)
-            except UpstreamError:
-                pass
-            return 0
-        restored = int(answer.get("n_restored", 0))
-        ms = (time.monotonic() - t0) * 1000
-        metrics.slot_op("restore", seconds=ms / 1000, nbytes=answer.get("n_read"), tokens=restored)
-        notes.append(f"restored {what + ' of ' if what else ''}{restored:,} tokens in {ms:.0f} ms")
-        self._touch(session)
-        return restored
-
-    def _touch(self, session: str) -> None:
-        """A restored snapshot was used: it is the last one the disk budget should drop."""
-        assert self.folder is not None
-        meta = self.folder.read_meta(session)
-        if meta is not None:
-            meta.last_used = self.clock()
-            self.folder.write_meta(meta)
-
     def _save_if_worth(self, url: str, info: UpstreamInfo, slot: int, rec: SlotRecord,
                        live_tokens: int) -> bool:
         """Save a slot's KV as its owner's snapshot if it is big enough to be worth a file
@@ -437,75 +611,29 @@ class Router:
         /slots (exact); rec.tokens may lag by a couple of seconds (coalesced writes), so the
         larger of the two decides. True when an up-to-date snapshot exists afterwards. The
         caller holds the slot lock."""
-        if self.folder is None or info.props is None:
+        if self.snapshots is None or info.props is None:
             return False
         tokens = max(rec.tokens, live_tokens)
         if tokens < self.config.min_save_tokens:
             return False
-        if rec.saved_tokens and tokens <= rec.saved_tokens:
+        if not policy.worth_saving(tokens, rec.saved_tokens, self.config.min_save_tokens):
             return True
         return self.save_slot(url, info, slot, rec.owner,
                               info.messages_of(rec.owner, rec.messages)) > 0
 
     def save_slot(self, url: str, info: UpstreamInfo, slot: int, owner: str,
                   messages: int, kind: str = "session") -> int:
-        """Save the slot as `owner`'s snapshot and write its metadata; returns tokens saved."""
-        assert self.folder is not None and info.props is not None
-        if info.client.slot_actions_disabled:
+        """Save the slot as `owner`'s snapshot (snapshot service) and note it in the state."""
+        if self.snapshots is None or info.props is None:
             return 0
-        name = file_name_for(owner)
-        old = self.folder.read_meta(owner)
-        # Room for the new file before writing it: its old size, or for a first save the
-        # largest snapshot there is (sizes are not linear in tokens, so no per-token guess).
-        expected = old.size_bytes if old else max(
-            (m.size_bytes for m in self.folder.list_sessions()), default=0)
-        self.folder.make_room(expected, keep={owner})
-        t0 = time.monotonic()
-        # The server writes in place (over whatever has the name), so it writes under a fresh
-        # name and the verified file is renamed over the old snapshot: a save that fails while
-        # writing (disk full, read-only folder) or a proxy killed meanwhile leaves the previous
-        # snapshot whole and restorable.
-        saving = self.folder.saving_name(owner)
-        try:
-            answer = info.client.save(slot, saving)
-        except UpstreamError as e:
-            log.warning("save of %s from slot %d failed: %s; the previous snapshot stays", owner,
-                        slot, e)
-            metrics.slot_op("save", ok=False)
-            self.folder.discard_saving(saving)
-            return 0
-        n_saved = int(answer.get("n_saved", 0))
-        ok, why = self.folder.verify_saved(owner, n_written=int(answer.get("n_written", -1)),
-                                           n_saved=n_saved, name=saving)
-        if not ok:
-            # A full disk truncates the file while its header still claims every token.
-            log.warning("save of %s from slot %d is unusable (%s): removed; the previous "
-                        "snapshot stays", owner, slot, why)
-            metrics.slot_op("save", ok=False)
-            self.folder.discard_saving(saving)
-            return 0
-        crc = self.folder.crc32_of(saving)
-        self.folder.commit_saved(owner, saving)
-        now = self.clock()
-        size = self.folder.state_path(owner).stat().st_size
-        metrics.slot_op("save", seconds=time.monotonic() - t0, nbytes=size, tokens=n_saved)
-        self.folder.secure(owner)
-        self.folder.write_meta(SessionMeta(
-            session_id=owner, kind=kind, file_name=name,
-            fingerprint=info.props.fingerprint, n_ctx=info.props.n_ctx, n_tokens=n_saved,
-            n_messages=messages, created=old.created if old else now, last_used=now,
-            size_bytes=size, misses=0, crc32=crc,
-        ))
+        n_saved = self.snapshots.save(info.client, info.props, slot, owner, messages, kind)
+        if n_saved:
+            def note_saved(doc: StateDoc) -> None:
+                rec = doc.upstream(url).slots.get(slot)
+                if rec is not None and rec.owner == owner:
+                    rec.saved_tokens = n_saved
 
-        def note_saved(doc: StateDoc) -> None:
-            rec = doc.upstream(url).slots.get(slot)
-            if rec is not None and rec.owner == owner:
-                rec.saved_tokens = n_saved
-
-        self.state.update(note_saved)
-        self.folder.make_room(0, keep={owner})  # the estimate may have been low
-        log.info("saved %s from slot %d: %d tokens, %d bytes in %.0f ms", owner, slot, n_saved,
-                 size, (time.monotonic() - t0) * 1000)
+            self.state.update(note_saved)
         return n_saved
 
     def _mark_fresh(self, url: str, slot: int, session: str, restored: int) -> None:
@@ -526,6 +654,19 @@ class Router:
 
         self.state.update(change)
 
+    def _mark_all_stale(self, url: str) -> None:
+        """A request runs on a slot we cannot name: no claim of this upstream is trusted."""
+        def change(doc: StateDoc) -> bool:
+            up = doc.upstream(url)
+            changed = False
+            for rec in up.slots.values():
+                changed |= not rec.stale
+                rec.stale = True
+            return changed
+
+        if self.state.read().upstreams.get(url) is not None:
+            self.state.update(change)
+
     # ---- after the response ----------------------------------------------------------------
 
     def finish(self, route: Route, timings: Timings | None) -> None:
@@ -537,7 +678,7 @@ class Router:
             route.release()
 
     def _record(self, route: Route, timings: Timings | None) -> None:
-        if route.slot is None or route.action in (SIDE, CLIENT, FALLBACK, UNPINNED):
+        if route.slot is None or route.action not in OWNING:
             return
         if route.action in (RESTORED, SEEDED) and timings is not None:
             self._check_reuse(route, timings)
@@ -558,6 +699,7 @@ class Router:
         if route.action == KEPT and now - last < self.config.usage_write_interval:
             return  # coalesced: the handover decisions read live token counts from /slots
         info.usage_written[route.session] = now
+        conversation = route.conversation
 
         def change(doc: StateDoc) -> None:
             rec = doc.upstream(route.upstream).slots.get(route.slot)
@@ -566,18 +708,23 @@ class Router:
                 rec.messages = route.messages
                 if tokens is not None:
                     rec.tokens = tokens
+                if conversation is not None:
+                    rec.system_key = conversation.system_key or ""
+                    rec.chain_length = conversation.length
+                    rec.chain_head = conversation.head
+                    rec.chars = conversation.chars
 
         self.state.update(change)
 
     def _check_reuse(self, route: Route, timings: Timings) -> None:
         """A restored snapshot (or seed) the server did not reuse is a miss: its tokens were not
         a prefix of the prompt. Two misses retire it (slotfiles)."""
-        if self.folder is None or timings.cache_n >= route.restored_tokens // 2:
+        if self.snapshots is None or timings.cache_n >= route.restored_tokens // 2:
             return
         snapshot = route.session
         if route.action == SEEDED and route.seed_key is not None:
             snapshot = seed_id(route.seed_key)
-        misses = self.folder.record_miss(snapshot)
+        misses = self.snapshots.record_miss(snapshot)
         metrics.restore_miss("seed" if snapshot != route.session else "session")
         log.warning("restore of %s was not reused (cache_n %d of %d): miss %d", snapshot,
                     timings.cache_n, route.restored_tokens, misses)
@@ -595,13 +742,14 @@ class Router:
             self.mark_suspect(route.upstream)
 
     def _grew_enough(self, route: Route, tokens: int | None) -> bool:
-        if self.folder is None or tokens is None or tokens < self.config.min_save_tokens:
+        if self.snapshots is None or tokens is None:
             return False
         doc = self.state.read().upstreams.get(route.upstream)
         rec = doc.slots.get(route.slot) if doc else None
         if rec is None or rec.owner != route.session or rec.stale:
             return False
-        return tokens - rec.saved_tokens >= self.config.save_every_tokens
+        return policy.grew_enough(tokens, rec.saved_tokens, self.config.min_save_tokens,
+                                  self.config.save_every_tokens)
 
     # ---- background saves --------------------------------------------------------------------
 
@@ -610,7 +758,7 @@ class Router:
         save what it grew, so a llama-server that dies without warning loses nothing that
         finished. Skips quietly when the slot is busy or no longer the session's."""
         info = self._upstreams.get(url)
-        if info is None or self.folder is None:
+        if info is None or self.snapshots is None:
             return False
         seen = info.last_seen.get(session)
         if seen is None or seen.at > ended:
@@ -631,150 +779,47 @@ class Router:
 
     def _save_resident(self, url: str, info: UpstreamInfo, session: str, tokens: int,
                        lock_timeout: float) -> bool:
-        if self.folder is None or info.props is None or tokens < self.config.min_save_tokens:
+        if self.snapshots is None or info.props is None or tokens < self.config.min_save_tokens:
             return False
-        slot = self._resident_slot(self.state.read(), url, session)
+        slot = _resident_slot(self.state.read(), url, session)
         if slot is None or self.state.read().upstreams[url].slots[slot].saved_tokens >= tokens:
             return False
         lease = self.locks.acquire(url, slot, exclusive=False, timeout=lock_timeout)
         if lease is None:
             return False
-        try:
-            if self._resident_slot(self.state.read(), url, session) != slot:
+        with lease:
+            if _resident_slot(self.state.read(), url, session) != slot:
                 return False
             rec = self.state.read().upstreams[url].slots[slot]
             return self.save_slot(url, info, slot, session,
                                   info.messages_of(session, rec.messages)) > 0
-        finally:
-            lease.release()
+
+
+def _resident_slot(doc: StateDoc, url: str, session: str) -> int | None:
+    up = doc.upstreams.get(url)
+    if up is None:
+        return None
+    slot = up.slot_of(session)
+    if slot is None or up.slots[slot].stale:
+        return None
+    return slot
 
 
 def _tokens_in(slots: list[SlotView], slot: int) -> int:
     return next((s.n_tokens for s in slots if s.id == slot), 0)
 
 
-def _warn_about_settings(url: str, props: ServerProps, slots: list[SlotView] | None,
-                         n_ctx_train: int) -> None:
-    """Settings that defeat slotkeeper, said once per upstream (and after a restart)."""
-    if slots is None:
-        log.warning("%s: GET /slots is disabled or failing (--no-slots?): slotkeeper can only "
-                    "hash sessions over the slot count", url)
-    if props.total_slots <= 1:
-        log.warning("%s: the server has %d slot(s): start it with -np N, N >= concurrent "
-                    "sessions", url, props.total_slots)
-    elif n_ctx_train and props.n_ctx >= n_ctx_train:
-        # /props does not say whether the KV cache is unified. With an explicit -np the cache
-        # is split and each slot gets -c / N tokens; every slot holding the model's whole
-        # training context is what the automatic slot count with a unified cache looks like.
-        log.warning("%s: each of the %d slots has the full context (%d tokens): this looks like "
-                    "the automatic slot count with a unified KV cache, where idle slots are "
-                    "cleared into a RAM cache; start llama-server with an explicit -np N",
-                    url, props.total_slots, props.n_ctx)
+def _opening_of(session: str) -> str:
+    """The content id a (possibly forked) content session opened under."""
+    return session.split(".", 1)[0]
 
 
-class SessionAdmin:
-    """What the /api/sessions endpoints do. Blocking: worker threads."""
-
-    def __init__(self, router: Router) -> None:
-        self.router = router
-
-    def current(self) -> dict:
-        doc = self.router.state.read()
-        folder = self.router.folder
-        out: dict = {}
-        for url, up in doc.upstreams.items():
-            slots = {}
-            for slot_id, rec in sorted(up.slots.items()):
-                meta = folder.read_meta(rec.owner) if folder else None
-                slots[str(slot_id)] = {
-                    "session": rec.owner,
-                    "resident": not rec.stale,
-                    "claimed": rec.claimed,
-                    "last_used": rec.last_used,
-                    "tokens": rec.tokens,
-                    "saved_tokens": rec.saved_tokens,
-                    "file": None if meta is None else {"tokens": meta.n_tokens,
-                                                       "bytes": meta.size_bytes},
-                }
-            out[url] = {"slots": slots}
-        return {"upstreams": out, "slot_dir": str(folder.root) if folder else None}
-
-    def saved(self) -> list[dict]:
-        folder = self.router.folder
-        if folder is None:
-            raise NoSlotDir()
-        resident = self._resident()
-        return [
-            {
-                "id": meta.session_id,
-                "kind": meta.kind,
-                "bytes": meta.size_bytes,
-                "tokens": meta.n_tokens,
-                "messages": meta.n_messages,
-                "created": meta.created,
-                "last_used": meta.last_used,
-                "resident": resident.get(meta.session_id),
-            }
-            for meta in sorted(folder.list_sessions(), key=lambda m: -m.last_used)
-        ]
-
-    def _resident(self) -> dict[str, dict]:
-        return {
-            rec.owner: {"upstream": url, "slot": slot_id}
-            for url, up in self.router.state.read().upstreams.items()
-            for slot_id, rec in up.slots.items()
-            if not rec.stale
-        }
-
-    def clear(self) -> dict:
-        """Erase every claimed slot and drop every claim. Saved files stay."""
-        erased = []
-        for url, up in self.router.state.read().upstreams.items():
-            for slot_id in list(up.slots):
-                self._release_slot(url, slot_id, owner=None)
-                erased.append({"upstream": url, "slot": slot_id})
-        return {"erased": erased}
-
-    def forget(self, session: str) -> dict | None:
-        """Erase the session's slot if it holds one and delete its files. None: unknown id."""
-        found = False
-        for url, up in self.router.state.read().upstreams.items():
-            slot_id = up.slot_of(session)
-            if slot_id is not None:
-                self._release_slot(url, slot_id, owner=session)
-                found = True
-        folder = self.router.folder
-        deleted = folder.delete(session) if folder else False
-        if not (found or deleted):
-            return None
-        return {"id": session, "slot_erased": found, "files_deleted": deleted}
-
-    def _release_slot(self, url: str, slot: int, owner: str | None) -> None:
-        router = self.router
-        lease = router.locks.acquire(url, slot, exclusive=True, timeout=ADMIN_LOCK_TIMEOUT)
-        if lease is None:
-            raise SlotBusy(f"slot {slot} of {url} stayed busy for {ADMIN_LOCK_TIMEOUT:.0f} s")
-        try:
-            try:
-                with metrics.timed("erase"):
-                    router.upstream(url).client.erase(slot)
-            except UpstreamError as e:
-                log.warning("erase of slot %d on %s failed: %s", slot, url, e)
-
-            def drop(doc: StateDoc) -> None:
-                up = doc.upstream(url)
-                rec = up.slots.get(slot)
-                if rec is not None and (owner is None or rec.owner == owner):
-                    del up.slots[slot]
-
-            router.state.update(drop)
-        finally:
-            lease.release()
+def _with_session(ident: Identity, session: str) -> Identity:
+    from dataclasses import replace
+    return replace(ident, session_id=session)
 
 
-class SlotBusy(Exception):
-    """A slot was still serving a request when an admin call wanted it."""
-
-
-class NoSlotDir(Exception):
-    """The proxy was started without slotkeeper_slot_dir: there are no saved sessions."""
+def _conversation_fields(ident: Identity) -> dict:
+    conversation = Conversation.of(ident.chain, ident.seed_key, ident.prompt_chars)
+    return {"system_key": conversation.system_key or "", "chain_length": conversation.length,
+            "chain_head": conversation.head, "chars": conversation.chars}

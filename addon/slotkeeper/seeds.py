@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .identity import Identity
-from .upstream import UpstreamError
-
-if TYPE_CHECKING:
-    from .router import Router, UpstreamInfo
+from .snapshots import Snapshots, seed_id
+from .upstream import ServerProps, Upstream, UpstreamError
 
 log = logging.getLogger("slotkeeper.seeds")
 
@@ -20,8 +18,7 @@ log = logging.getLogger("slotkeeper.seeds")
 _PROBES = ("A", "B")
 
 
-def seed_id(seed_key: str) -> str:
-    return f"seed-{seed_key[:32]}"
+__all__ = ["SeedBuilder", "seed_id", "seed_messages"]
 
 
 def common_prefix(a: str, b: str) -> str:
@@ -58,12 +55,12 @@ class SeedBuilder:
     """Builds a seed in the slot that a new session was just given (under its exclusive lock),
     so the prefill is the one that session needed anyway: its own request then reuses it."""
 
-    def __init__(self, router: Router, min_chars: int, max_seeds: int) -> None:
-        self.router = router
+    def __init__(self, snapshots: Snapshots, min_chars: int, max_seeds: int) -> None:
+        self.snapshots = snapshots
         self.min_chars = min_chars
         self.max_seeds = max_seeds
 
-    def build(self, url: str, info: UpstreamInfo, slot: int, ident: Identity, path: str,
+    def build(self, client: Upstream, props: ServerProps, slot: int, ident: Identity, path: str,
               body: dict[str, Any]) -> int:
         """Prefill the system part in `slot` and save it as the seed; tokens in it, or 0."""
         if ident.seed_key is None or ident.system_chars < self.min_chars or self.max_seeds <= 0:
@@ -73,34 +70,34 @@ class SeedBuilder:
             return 0
         messages, tools = parts
         try:
-            prompt = self._system_prompt_text(info, messages, tools)
+            prompt = self._system_prompt_text(client, messages, tools)
             if not prompt:
                 return 0
-            prefilled = self._prefill(info, slot, prompt)
+            prefilled = self._prefill(client, slot, prompt)
         except (UpstreamError, KeyError, TypeError, ValueError) as e:
             log.warning("building the seed for %s failed: %s", ident.session_id, e)
             return 0
         seed = seed_id(ident.seed_key)
-        saved = self.router.save_slot(url, info, slot, seed, messages=0, kind="seed")
+        saved = self.snapshots.save(client, props, slot, seed, messages=0, kind="seed")
         if saved:
             log.info("built seed %s: %d tokens (system prompt of %s)", seed, saved,
                      ident.session_id)
             self._prune()
         return prefilled if saved else 0
 
-    def _system_prompt_text(self, info: UpstreamInfo, messages: list[dict], tools: Any) -> str:
+    def _system_prompt_text(self, client: Upstream, messages: list[dict], tools: Any) -> str:
         renders = []
         for probe in _PROBES:
             payload: dict[str, Any] = {"messages": [*messages, {"role": "user", "content": probe}]}
             if tools:
                 payload["tools"] = tools
-            r = info.client.post_json("/apply-template", payload)
+            r = client.post_json("/apply-template", payload)
             renders.append(r["prompt"])
         return common_prefix(*renders)
 
     @staticmethod
-    def _prefill(info: UpstreamInfo, slot: int, prompt: str) -> int:
-        r = info.client.post_json("/completion", {
+    def _prefill(client: Upstream, slot: int, prompt: str) -> int:
+        r = client.post_json("/completion", {
             "prompt": prompt, "n_predict": 0, "id_slot": slot, "cache_prompt": True,
             "temperature": 0,
         })
@@ -108,11 +105,9 @@ class SeedBuilder:
         return int(timings.get("prompt_n", 0)) + int(timings.get("cache_n", 0))
 
     def _prune(self) -> None:
-        folder = self.router.folder
-        if folder is None:
-            return
+        folder = self.snapshots.folder
         seeds = sorted((m for m in folder.list_sessions() if m.kind == "seed"),
                        key=lambda m: m.last_used, reverse=True)
         for meta in seeds[self.max_seeds:]:
-            folder.delete(meta.session_id)
+            self.snapshots.delete(meta.session_id)
             log.info("dropped seed %s (more than %d seeds)", meta.session_id, self.max_seeds)

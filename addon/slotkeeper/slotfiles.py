@@ -9,7 +9,6 @@ section "Slot files".
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -22,6 +21,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from .paths import (FILE_NAME_RE, META_RE, SAVING_RE, TEMP_RE, PathOutsideFolder, file_name_for,  # noqa: F401 (re-exported)
+                    inside, require)
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +39,8 @@ MAX_MISSES = 2
 # server has written the state file, the meta is not written yet).
 ORPHAN_GRACE_SECONDS = 60.0
 
-_PREFIX_MAX = 40
-_HASH_HEX = 24
-# llama-server refuses names containing "..", and a leading "-" or "." invites mistakes in
-# shells and listings: the readable prefix avoids all three.
-_STEM = r"(?!.*\.\.)[A-Za-z0-9_][A-Za-z0-9._-]{0,39}-[0-9a-f]{24}"
-FILE_NAME_RE = re.compile(_STEM + r"\.bin")
-_META_RE = re.compile(_STEM + r"\.json")
-_TEMP_RE = re.compile(_STEM + r"\.json\.[0-9a-f]{8}\.tmp")
-# A save in progress: llama-server writes the new snapshot under this name and the proxy renames
-# it over the old one only once it is verified, so a failed save (disk full, read-only folder,
-# proxy killed) never destroys the previous snapshot.
-_SAVING_RE = re.compile(_STEM + r"\.saving-[0-9a-f]{8}\.bin")
+# The names live in paths.py (one room for every name we hand the server or delete).
+_META_RE, _TEMP_RE, _SAVING_RE = META_RE, TEMP_RE, SAVING_RE
 
 # Header of a version 4 state file (all little-endian):
 #   0  magic "qsgg"          4  u32 state version      8  u32 token_words
@@ -61,19 +53,6 @@ _SERVER_BLOCK = struct.Struct("<iII")
 _SERVER_BLOCK_MARKER = -1
 _SERVER_BLOCK_VERSION = 1
 _HEADER_READ_BYTES = _FIXED_HEADER.size + _SERVER_BLOCK.size
-
-
-def file_name_for(session_id: str) -> str:
-    """The state file's basename for a session: a readable prefix of the id (only
-    [A-Za-z0-9._-], no "..", no leading "." or "-", at most 40 characters) and the first 24 hex
-    digits of the id's sha256, which alone tells sessions apart. Matches FILE_NAME_RE for any
-    str, so it can never name a path outside the folder."""
-    # surrogatepass: a str from a decoded header may hold lone surrogates; equal to plain
-    # UTF-8 for every valid string.
-    digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:_HASH_HEX]
-    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", session_id)
-    readable = re.sub(r"\.{2,}", ".", readable).lstrip(".-")[:_PREFIX_MAX]
-    return f"{readable or 'session'}-{digest}.bin"
 
 
 @dataclass
@@ -280,11 +259,8 @@ class SlotFolder:
 
     def _inside(self, name: str) -> Path:
         # file_name_for cannot produce a separator or "..", so this only fires on a bug; a
-        # bug here would mean deleting files outside the folder. abspath normalises ".."
-        # without following a symlink at the name: unlinking such a link stays inside root.
-        path = Path(os.path.abspath(self.root / name))
-        assert path.parent == self.root, f"{name!r} resolves outside {self.root}"
-        return path
+        # bug here would mean deleting files outside the folder.
+        return inside(self.root, name)
 
     def state_path(self, session_id: str) -> Path:
         return self._inside(file_name_for(session_id))
@@ -362,12 +338,12 @@ class SlotFolder:
 
     def commit_saved(self, session_id: str, saving_name: str) -> None:
         """The verified new snapshot replaces the old one (atomically: a reader sees either)."""
-        assert _SAVING_RE.fullmatch(saving_name), saving_name
+        require(SAVING_RE, saving_name)
         os.replace(self._inside(saving_name), self.state_path(session_id))
 
     def discard_saving(self, saving_name: str) -> None:
         """A failed save: only its own partial file goes; the previous snapshot stays whole."""
-        assert _SAVING_RE.fullmatch(saving_name), saving_name
+        require(SAVING_RE, saving_name)
         self._unlink(self._inside(saving_name))
 
     def crc32_of(self, name: str) -> str:

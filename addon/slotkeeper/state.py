@@ -37,6 +37,12 @@ class SlotRecord:
     tokens: int = 0  # tokens in the slot after the owner's last request
     saved_tokens: int = 0  # tokens in the owner's last saved snapshot (0: none or unknown)
     messages: int = 0  # messages in the owner's last request (a snapshot's prefix check)
+    # The conversation the slot holds for its owner (policy.Conversation): what tells its
+    # next turn from a side request, in every process. "" / 0: not known (an older proxy).
+    system_key: str = ""
+    chain_length: int = 0
+    chain_head: str = ""
+    chars: int = 0
 
     def claim(self) -> Claim:
         return Claim(owner=self.owner, last_used=self.last_used, stale=self.stale)
@@ -109,6 +115,10 @@ def _slot_record(raw: object) -> SlotRecord:
         tokens=int(raw.get("tokens", 0)),
         saved_tokens=int(raw.get("saved_tokens", 0)),
         messages=int(raw.get("messages", 0)),
+        system_key=str(raw.get("system_key", "")),
+        chain_length=int(raw.get("chain_length", 0)),
+        chain_head=str(raw.get("chain_head", "")),
+        chars=int(raw.get("chars", 0)),
     )
     if not isinstance(rec.owner, str) or not isinstance(rec.stale, bool):
         raise TypeError("owner must be a string and stale a boolean")
