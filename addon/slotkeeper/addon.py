@@ -350,7 +350,15 @@ class SlotKeeper:
         if timings is not None:
             flow.metadata[SUMMARY_KEY].update(reused=timings.cache_n, prefilled=timings.prompt_n)
             flow.comment += f", reused {timings.cache_n:,}, prefilled {timings.prompt_n:,}"
-        await self._finish(route, timings)
+        verified = await self._finish(route, timings)
+        if verified:
+            # Which slot really ran it (read back after the answer): a streamed answer's
+            # headers are gone by now, so only the flow says it there.
+            flow.metadata[SUMMARY_KEY]["verified"] = verified
+            if verified.startswith("no"):
+                flow.comment += f", NOT on slot {route.slot}: {verified.partition(': ')[2]}"
+            if flow.response is not None and not flow.response.stream:
+                flow.response.headers["X-Slotkeeper-Verified"] = verified
 
     async def error(self, flow: http.HTTPFlow) -> None:
         route: Route | None = flow.metadata.pop(ROUTE_KEY, None)
@@ -362,11 +370,13 @@ class SlotKeeper:
             self.router.mark_suspect(route.upstream)
         await self._finish(route, None)
 
-    async def _finish(self, route: Route, timings: Timings | None) -> None:
+    async def _finish(self, route: Route, timings: Timings | None) -> str:
         assert self.router is not None
         loop = asyncio.get_running_loop()
+        verified = ""
         try:
-            await loop.run_in_executor(self.release_pool, self.router.finish, route, timings)
+            verified = await loop.run_in_executor(self.release_pool, self.router.finish, route,
+                                                  timings)
         except Exception:
             route.release()
             log.exception("recording the end of a request failed")
@@ -375,6 +385,7 @@ class SlotKeeper:
         if self.idle_save_seconds and route.slot is not None:
             ended = self.router.clock()
             loop.call_later(self.idle_save_seconds, self._save_if_idle, route, ended)
+        return verified
 
     def _save_if_idle(self, route: Route, ended: float) -> None:
         router = self.router

@@ -101,6 +101,9 @@ EVICTIONS = _metric(Counter, "slotkeeper_evictions",
                     "Sessions displaced from their slot, by what displaced them (another "
                     "session's handover, or a side request) and whether their KV was saved "
                     "first.", ("by", "saved"))
+SLOT_MISMATCHES = _metric(Counter, "slotkeeper_slot_mismatches",
+                          "Routed requests that llama-server ran on another slot than the one "
+                          "slotkeeper pinned (read back from /slots after the answer).")
 FALLBACKS = _metric(Counter, "slotkeeper_fallbacks",
                     "Requests hashed over the slot count (or left unpinned) because /slots "
                     "was unusable, by reason.", ("reason",))
@@ -177,6 +180,10 @@ def timed(operation: str) -> Iterator[None]:
 
 def seed_built(tokens: int, seconds: float) -> None:
     slot_op("seed_build", seconds=seconds, tokens=tokens)
+
+
+def slot_mismatch() -> None:
+    SLOT_MISMATCHES.inc()
 
 
 def restore_miss(kind: str) -> None:

@@ -102,6 +102,37 @@ def classify(*, chain: Sequence[str], system_key: str | None, prompt_chars: int,
     return MOVE if own_request_running else MAIN
 
 
+# What verify_slot() answers.
+VERIFIED = "yes"  # /slots shows the pinned slot holding exactly the request's tokens
+BY_REUSE = "reuse"  # the server reused the slot's prefix: it ran where that prefix was
+UNKNOWN = "unknown"  # the slots changed since (a next request): cannot tell
+MISMATCH = "no"
+
+
+def needs_slot_check(*, expected_prefix: int, cache_n: int) -> bool:
+    """Reading /slots after every answer costs a round trip; a request that reused at least
+    half of the prefix its slot held for it ran on a slot holding that prefix: ours (a
+    similarity pick elsewhere would need the same prefix there too). Only the others are
+    checked: cold slots (assigned), and reuse far below what the slot held."""
+    return not (expected_prefix > 0 and cache_n >= expected_prefix // 2)
+
+
+def verify_slot(pinned: int, tokens_after: int, slots: Sequence[tuple[int, int, bool]]
+                ) -> tuple[str, int | None]:
+    """Which slot ran a request, from /slots read right after its answer: `slots` holds
+    (id, tokens in the slot, processing). A slot that ran the request holds its prompt plus
+    the generated tokens but the last (`tokens_after`, measured: 28 prompt + 3 generated
+    leave 30). Returns (VERIFIED, pinned), (MISMATCH, the slot that ran it) or (UNKNOWN,
+    None) when no idle slot, or more than one, matches."""
+    idle = {slot: tokens for slot, tokens, busy in slots if not busy}
+    if idle.get(pinned) == tokens_after:
+        return VERIFIED, pinned
+    matches = [slot for slot, tokens in idle.items() if tokens == tokens_after and slot != pinned]
+    if len(matches) == 1 and pinned in idle:
+        return MISMATCH, matches[0]
+    return UNKNOWN, None
+
+
 def worth_saving(tokens: int, saved_tokens: int, min_save_tokens: int) -> bool:
     """A slot is worth a (new) snapshot when it is big enough that re-prefilling it costs more
     than a file (min_save_tokens) and holds more than its last snapshot."""

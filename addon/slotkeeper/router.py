@@ -276,41 +276,54 @@ class Router:
                                 rec.chars)
         return None
 
-    def _kind(self, url: str, ident: Identity, rec: SlotRecord | None) -> str:
+    def _kind(self, url: str, ident: Identity, rec: SlotRecord | None, running: int) -> str:
         return policy.classify(
             chain=ident.chain, system_key=ident.seed_key, prompt_chars=ident.prompt_chars,
             small_request_chars=self.config.small_request_chars,
             resident=self._conversation_of(url, ident.session_id, rec),
-            own_request_running=self._running.get((url, ident.session_id), 0) > 0)
+            own_request_running=running > 0)
 
-    def _begin(self, route: Route, ident: Identity) -> Route:
-        """A route that runs on a slot the session owns: remember its conversation, count it
-        as running until its lease is released."""
-        if route.action not in OWNING:
-            return route
-        key = (route.upstream, route.session)
+    def _enter(self, url: str, session: str) -> int:
+        """Count a request of the session as running from the moment its routing starts (so
+        a second request that arrives during the first one's handover sees it); returns how
+        many were running before."""
+        key = (url, session)
+        with self._mutex:
+            before = self._running.get(key, 0)
+            self._running[key] = before + 1
+        return before
+
+    def _leave(self, url: str, session: str) -> None:
+        key = (url, session)
+        with self._mutex:
+            left = self._running.get(key, 1) - 1
+            if left > 0:
+                self._running[key] = left
+            else:
+                self._running.pop(key, None)
+
+    def _remember(self, url: str, session: str, ident: Identity) -> Conversation:
+        """The session's main conversation is now this request's."""
         conversation = Conversation.of(ident.chain, ident.seed_key, ident.prompt_chars)
-        route.conversation = conversation
-        self._conversations[key] = conversation
+        self._conversations[(url, session)] = conversation
         if ident.rule == "content" and ident.chain:
-            opening = _opening_of(route.session)
+            opening = _opening_of(session)
             forks = self._openings.get(opening) or {}
-            forks[route.session] = conversation
+            forks[session] = conversation
             while len(forks) > MAX_FORKS_PER_OPENING:
                 forks.pop(next(iter(forks)))
             self._openings[opening] = forks
-        with self._mutex:
-            self._running[key] = self._running.get(key, 0) + 1
+        return conversation
 
-        def done() -> None:
-            with self._mutex:
-                left = self._running.get(key, 1) - 1
-                if left > 0:
-                    self._running[key] = left
-                else:
-                    self._running.pop(key, None)
-
-        route._on_release.append(done)
+    def _begin(self, route: Route, ident: Identity) -> Route:
+        """Called with the request already counted as running (_enter): a route that runs on
+        the session's own slot stays counted until its lease is released; any other stops
+        counting now."""
+        if route.action not in OWNING:
+            self._leave(route.upstream, route.session)
+            return route
+        route.conversation = self._remember(route.upstream, route.session, ident)
+        route._on_release.append(lambda: self._leave(route.upstream, route.session))
         return route
 
     # ---- the fast path ---------------------------------------------------------------------
@@ -327,12 +340,14 @@ class Router:
         slot = _resident_slot(doc, url, ident.session_id)
         if slot is None:
             return None
-        if self._kind(url, ident, doc.upstreams[url].slots[slot]) != policy.MAIN:
-            return None
-        lease = self.locks.try_acquire(url, slot, exclusive=False)
-        if lease is None:
-            return None
         with ExitStack() as stack:
+            running = self._enter(url, ident.session_id)
+            stack.callback(self._leave, url, ident.session_id)
+            if self._kind(url, ident, doc.upstreams[url].slots[slot], running) != policy.MAIN:
+                return None
+            lease = self.locks.try_acquire(url, slot, exclusive=False)
+            if lease is None:
+                return None
             stack.enter_context(lease)
             # Re-check under the lock: a handover elsewhere may have claimed the slot meanwhile.
             if _resident_slot(self.state.read(), url, ident.session_id) != slot:
@@ -340,9 +355,8 @@ class Router:
             route = Route(url, ident.session_id, ident.rule, slot, KEPT, lease=lease,
                           messages=ident.message_count, seed_key=ident.seed_key,
                           ms=(time.monotonic() - started) * 1000)
-            self._begin(route, ident)
             stack.pop_all()
-            return route
+            return self._begin(route, ident)
 
     # ---- the slow path (worker thread) -----------------------------------------------------
 
@@ -350,6 +364,19 @@ class Router:
               path: str = "", body: dict | None = None) -> Route:
         started = time.monotonic()
         ident = self._resolve(url, ident)
+        running = self._enter(url, ident.session_id)
+        try:
+            route = self._walk(url, ident, client_slot, path, body, running)
+        except BaseException:
+            self._leave(url, ident.session_id)
+            raise
+        route.messages = ident.message_count
+        route.seed_key = ident.seed_key
+        route.ms = (time.monotonic() - started) * 1000
+        return self._begin(route, ident)
+
+    def _walk(self, url: str, ident: Identity, client_slot: int | None, path: str,
+              body: dict | None, running: int) -> Route:
         info = self.upstream(url)
         if info.suspect or not info.checked:
             self._verify(url, info)
@@ -363,16 +390,16 @@ class Router:
             else:
                 up = self.state.read().upstreams.get(url)
                 owned = up.slot_of(ident.session_id) if up else None
-                kind = self._kind(url, ident, up.slots[owned] if owned is not None else None)
+                kind = self._kind(url, ident, up.slots[owned] if owned is not None else None,
+                                  running)
                 if kind == policy.SIDE:
-                    route = self._route_side(url, info, ident, slots)
-                else:
-                    route = self._route_session(url, info, ident, slots, path, body,
-                                                move=kind == policy.MOVE)
-        route.messages = ident.message_count
-        route.seed_key = ident.seed_key
-        route.ms = (time.monotonic() - started) * 1000
-        return self._begin(route, ident)
+                    return self._route_side(url, info, ident, slots)
+                # Remembered before the handover: a request of the session arriving meanwhile
+                # must be judged against this conversation.
+                self._remember(url, ident.session_id, ident)
+                route = self._route_session(url, info, ident, slots, path, body,
+                                            move=kind == policy.MOVE)
+        return route
 
     def _fallback(self, url: str, info: UpstreamInfo, ident: Identity, why: str,
                   wait: float) -> Route:
@@ -669,13 +696,56 @@ class Router:
 
     # ---- after the response ----------------------------------------------------------------
 
-    def finish(self, route: Route, timings: Timings | None) -> None:
-        """Record use (coalesced to one write per session every couple of seconds), count a
-        restore that was not reused, release the slot lock. Blocking: worker thread."""
+    def finish(self, route: Route, timings: Timings | None) -> str:
+        """Verify which slot ran the request, record use (coalesced to one write per session
+        every couple of seconds), count a restore that was not reused, release the slot
+        lock. Returns the verification ("" when there was nothing to verify). Blocking:
+        worker thread."""
         try:
-            self._record(route, timings)
+            verdict = self._verify_route(route, timings)
+            if not verdict.startswith(policy.MISMATCH):
+                self._record(route, timings)
+            return verdict
         finally:
             route.release()
+
+    def _verify_route(self, route: Route, timings: Timings | None) -> str:
+        """Did llama-server run the request on the pinned slot? Checked while the route still
+        holds the slot's lease (no other routed request ran there since). On a mismatch the
+        state is corrected: neither the pinned slot nor the one that ran the request holds
+        what the state said, so both claims go stale and nothing is saved from them."""
+        if (route.slot is None or timings is None
+                or route.action in (CLIENT, FALLBACK, UNPINNED)):
+            return ""
+        info = self.upstream(route.upstream)
+        if route.action in (RESTORED, SEEDED):
+            expected = route.restored_tokens
+        elif route.action == KEPT:
+            seen = info.last_seen.get(route.session)
+            expected = seen.tokens if seen else 0
+        else:
+            expected = 0
+        if not policy.needs_slot_check(expected_prefix=expected, cache_n=timings.cache_n):
+            return policy.BY_REUSE
+        try:
+            slots = info.client.slots()
+        except SlotsUnavailable:
+            return policy.UNKNOWN
+        tokens_after = timings.prompt_tokens + max(timings.predicted_n - 1, 0)
+        verdict, ran_on = policy.verify_slot(
+            route.slot, tokens_after, [(s.id, s.n_tokens, s.is_processing) for s in slots])
+        if verdict != policy.MISMATCH or ran_on is None:
+            return verdict
+        metrics.slot_mismatch()
+        log.warning("%s: pinned to slot %d, llama-server ran it on slot %d (%s %s): state "
+                    "corrected, nothing saved from either slot", route.session, route.slot,
+                    ran_on, route.upstream, route.action)
+        up = self.state.read().upstreams.get(route.upstream)
+        for slot in (route.slot, ran_on):
+            rec = up.slots.get(slot) if up else None
+            if rec is not None and not rec.stale:
+                self._mark_stale(route.upstream, slot, rec.owner)
+        return f"{policy.MISMATCH}: ran on slot {ran_on}"
 
     def _record(self, route: Route, timings: Timings | None) -> None:
         if route.slot is None or route.action not in OWNING:
