@@ -11,7 +11,9 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -21,9 +23,11 @@ class SlotLease:
     until the response ends) enters it in an ExitStack and pops the stack only once the
     hand-over is complete, so an exception in between still releases it (issue #11 fault 1)."""
 
-    def __init__(self, fd: int, exclusive: bool) -> None:
+    def __init__(self, fd: int, exclusive: bool,
+                 on_release: Callable[[], None] | None = None) -> None:
         self._fd: int | None = fd
         self.exclusive = exclusive
+        self._on_release = on_release
 
     @property
     def held(self) -> bool:
@@ -31,7 +35,11 @@ class SlotLease:
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
-        if fd is not None:
+        if fd is None:
+            return
+        if self._on_release is not None:
+            self._on_release()  # a shared lease on the process's kept-open file
+        else:
             os.close(fd)  # closing the file drops the flock
 
     def __enter__(self) -> SlotLease:
@@ -42,26 +50,63 @@ class SlotLease:
 
 
 class SlotLocks:
+    """Shared leases (the fast path: a session keeping its slot) use one lock file per slot that
+    this process keeps open, locked shared while at least one of its leases holds it: no
+    open/close per request (docs/BENCHMARKS.md measured those on the hot path). Exclusive
+    leases open their own file each time, so they exclude this process's shared holders the
+    same way they exclude other processes."""
+
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._paths: dict[tuple[str, int], Path] = {}
+        self._shared: dict[tuple[str, int], list[int]] = {}  # key -> [fd, holders]
+        self._mutex = threading.Lock()
 
     def path(self, upstream: str, slot: int) -> Path:
-        tag = hashlib.sha256(upstream.encode()).hexdigest()[:12]
-        return self.folder / f"{tag}-slot{int(slot)}.lock"
+        key = (upstream, int(slot))
+        path = self._paths.get(key)
+        if path is None:
+            tag = hashlib.sha256(upstream.encode()).hexdigest()[:12]
+            path = self._paths[key] = self.folder / f"{tag}-slot{int(slot)}.lock"
+        return path
 
     def _open(self, upstream: str, slot: int) -> int:
         return os.open(self.path(upstream, slot), os.O_RDWR | os.O_CREAT, 0o600)
 
     def try_acquire(self, upstream: str, slot: int, exclusive: bool) -> SlotLease | None:
         """Non-blocking: safe to call on the event loop."""
+        if not exclusive:
+            return self._try_shared(upstream, int(slot))
         fd = self._open(upstream, slot)
         try:
-            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return None
         return SlotLease(fd, exclusive)
+
+    def _try_shared(self, upstream: str, slot: int) -> SlotLease | None:
+        key = (upstream, slot)
+        with self._mutex:
+            entry = self._shared.get(key)
+            if entry is None:
+                entry = self._shared[key] = [self._open(upstream, slot), 0]
+            if entry[1] == 0:
+                try:
+                    fcntl.flock(entry[0], fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return None
+            entry[1] += 1
+            return SlotLease(entry[0], exclusive=False,
+                             on_release=lambda: self._release_shared(key))
+
+    def _release_shared(self, key: tuple[str, int]) -> None:
+        with self._mutex:
+            entry = self._shared[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                fcntl.flock(entry[0], fcntl.LOCK_UN)
 
     def acquire(
         self, upstream: str, slot: int, exclusive: bool, timeout: float

@@ -709,6 +709,30 @@ class Router:
         finally:
             route.release()
 
+    def finish_quick(self, route: Route, timings: Timings | None) -> str | None:
+        """`finish` on the event loop for the common case, without a thread hop: a kept
+        request that reused its slot's prefix (verified by reuse), with no state write due and
+        no save due. Only memory, a stat of the state file and the lease's release, none of
+        which blocks. None: the rest needs the worker (`finish`)."""
+        if route.action != KEPT or route.slot is None or timings is None:
+            return None
+        info = self._upstreams.get(route.upstream)
+        if info is None:
+            return None
+        seen = info.last_seen.get(route.session)
+        if policy.needs_slot_check(expected_prefix=seen.tokens if seen else 0,
+                                   cache_n=timings.cache_n):
+            return None
+        now = self.clock()
+        if now - info.usage_written.get(route.session, 0.0) >= self.config.usage_write_interval:
+            return None
+        tokens = timings.prompt_tokens + max(timings.predicted_n - 1, 0)
+        if self._grew_enough(route, tokens):
+            return None
+        info.last_seen[route.session] = Seen(now, tokens, route.messages)
+        route.release()
+        return policy.BY_REUSE
+
     def _verify_route(self, route: Route, timings: Timings | None) -> str:
         """Did llama-server run the request on the pinned slot? Checked while the route still
         holds the slot's lease (no other routed request ran there since). On a mismatch the
