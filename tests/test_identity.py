@@ -1264,3 +1264,14 @@ def test_chain_names_each_message_prefix():
     other_system = ident(body=chat_body("one", system="another system prompt"))
     assert other_system.chain[0] != turn1.chain[0]
     assert ident(body={"prompt": "raw text"}, path="/completion").chain == ()
+    # A client that re-sends its model's earlier reply differently (reasoning stripped)
+    # still continues the conversation; a different user message does not.
+    rerendered = chat_body("one")
+    rerendered["messages"] += [{"role": "assistant", "content": "reply, trimmed"},
+                               {"role": "user", "content": "two"}]
+    assert ident(body=rerendered).chain == turn2.chain
+    other_user = chat_body("one")
+    other_user["messages"] += [{"role": "assistant", "content": "reply"},
+                               {"role": "user", "content": "three"}]
+    assert ident(body=other_user).chain[:3] == turn2.chain[:3]
+    assert ident(body=other_user).chain[3] != turn2.chain[3]

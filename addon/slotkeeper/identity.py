@@ -365,6 +365,18 @@ def _seed_key(prompt: _Prompt) -> str | None:
     return _digest({"system": system, "tools": prompt.tools})
 
 
+# Roles whose text the chain leaves out: a client re-sends its model's earlier replies the
+# way it likes (reasoning stripped, whitespace trimmed, tool calls re-serialised), which would
+# break every conversation's chain at each turn. What the user and the tools said is what
+# tells two conversations apart; the reply only counts as a message in its place.
+REPLY_ROLES = frozenset({"assistant", "model"})
+
+
+def _chain_item(message: object) -> tuple[str | None, tuple[str, ...]]:
+    role = _role(message)
+    return (role, ()) if role in REPLY_ROLES else (role, tuple(_texts(message)))
+
+
 def _chain(prompt: _Prompt) -> tuple[str, ...]:
     """Cumulative hashes of (system block, message 1, message 2, ...); () for a raw prompt.
     blake2b: about twice as fast as sha256 here, and 12 bytes tell conversations apart."""
@@ -471,7 +483,7 @@ def _read_conversation(body: dict, top_system: tuple[str, ...], messages: object
         tools_chars=tools_chars,
         message_chars=sum(len(text) for text in _texts(rest)),
         message_count=len(items),
-        messages=tuple((_role(m), tuple(_texts(m))) for m in rest),
+        messages=tuple(_chain_item(m) for m in rest),
     )
 
 
