@@ -41,6 +41,7 @@ def test_verification_reports_the_slot_the_server_really_used(make_llama, make_p
     metrics = requests.get(proxy.url + "/metrics", timeout=30).text
     mismatches = next(float(line.split()[-1]) for line in metrics.splitlines()
                       if line.startswith("slotkeeper_slot_mismatches_total"))
+    print(f"pinned slot {pinned}, ran on slot {truth}, X-Slotkeeper-Verified: {verified}")
     current = requests.get(proxy.url + "/api/sessions/current", timeout=30).json()
     slots = next(iter(current["upstreams"].values()))["slots"]
     if truth == pinned:
