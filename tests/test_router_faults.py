@@ -160,7 +160,10 @@ def test_fault3_client_pinned_request_never_becomes_the_owners_snapshot(make_lla
     S is saved first and marked stale: S's next turn restores its own KV (the server reuses
     it: cache_n)."""
     slots = tmp_path / "slots"
-    server = make_llama(np=1, ctx=4096, slot_save_path=slots)
+    # --cache-ram 0: the server's own RAM prompt cache would otherwise bring the owner's
+    # prompt back by itself and hide which snapshot slotkeeper restored (measured: with it,
+    # the old code's foreign snapshot went unnoticed).
+    server = make_llama(np=1, ctx=4096, slot_save_path=slots, extra=["--cache-ram", "0"])
     proxy = make_proxy(server, slotkeeper_slot_dir=str(slots), slotkeeper_small_request_chars=0,
                        slotkeeper_idle_save_seconds=0)
     owner = Conversation("f3-owner", long_system_prompt(300, seed=31))
