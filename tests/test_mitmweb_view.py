@@ -8,7 +8,8 @@ import pytest
 from mitmproxy.contentviews import Metadata
 from mitmproxy.test import tflow
 
-from slotkeeper.contentview import (PRIORITY, SlotkeeperContentview, event_text, outcome_words,
+from slotkeeper.contentview import (PRIORITY, SlotkeeperContentview, event_text, flow_comment,
+                                    outcome_words,
                                     sse_events, timings_of)
 
 
@@ -106,3 +107,47 @@ def test_flows_slotkeeper_did_not_route_are_left_to_other_views():
 ])
 def test_stream_text_of_each_route(event, text):
     assert event_text(event) == text
+
+
+@pytest.mark.parametrize(("summary", "comment"), [
+    ({"session": "s1", "slot": 2, "action": "kept", "rule": "header x-session-id", "detail": "",
+      "reused": 4210, "prefilled": 35},
+     "s1 · slot 2 · kept · 4,210 reused · 35 prefilled · header x-session-id"),
+    # Before the answer: no token counts yet.
+    ({"session": "s2", "slot": 1, "action": "restored", "rule": "body session_id",
+      "detail": "saved s3; restored 464 tokens in 5 ms"},
+     "s2 · slot 1 · restored · saved s3, restored 464 tokens in 5 ms · body session_id"),
+    ({"session": "s1", "slot": None, "action": "unpinned", "rule": "default", "detail": ""},
+     "s1 · no slot · unpinned · default"),
+    # A long id is cut in the head and given whole at the end.
+    ({"session": "3f2a9c71-0b6e-4d1a-9c55-1e2f3a4b5c6d", "slot": 0, "action": "assigned",
+      "rule": "header x-claude-code-session-id", "detail": "", "reused": 0, "prefilled": 12},
+     "3f2a9c71-0b… · slot 0 · assigned · 0 reused · 12 prefilled · "
+     "header x-claude-code-session-id · session 3f2a9c71-0b6e-4d1a-9c55-1e2f3a4b5c6d"),
+])
+def test_flow_comment_puts_session_slot_action_first(summary, comment):
+    assert flow_comment(summary) == comment
+
+
+def test_markers_are_plain_symbols_mitmweb_knows():
+    """mitmweb shows a marker only for a shortcode of its emoji table (anything else becomes
+    a red-circle emoji); these must be symbols with a text presentation, which text fonts
+    draw (no emoji font needed)."""
+    import unicodedata
+
+    from mitmproxy.utils.emoji import emoji
+
+    from slotkeeper.addon import MARKERS
+
+    assert len(set(MARKERS.values())) == len(MARKERS)
+    for action, marker in MARKERS.items():
+        char = emoji[marker]
+        assert len(char) == 1, (action, char)  # no variation selector forcing emoji style
+        assert ord(char) < 0x2c00, (action, char)  # BMP symbols, not the emoji planes
+        assert unicodedata.category(char) == "So", (action, char)
+        assert char not in EMOJI_PRESENTATION, (action, char)
+
+
+# Characters below U+2C00 that browsers draw as coloured emoji by default
+# (Unicode's Emoji_Presentation=Yes), so a machine without an emoji font shows a box.
+EMOJI_PRESENTATION = set("⌚⌛⏩⏪⏫⏬⏰⏳◽◾☔☕♈♉♊♋♌♍♎♏♐♑♒♓♿⚓⚡⚪⚫⚽⚾⛄⛅⛎⛔⛪⛲⛳⛵⛺⛽✅✊✋✨❌❎❓❔❕❗➕➖➗➰➿⬛⬜⭐⭕")
