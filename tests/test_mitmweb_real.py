@@ -84,7 +84,7 @@ def expected_comment(r: requests.Response, notes: str = "") -> str:
     """Session, slot and action first (what mitmweb's narrow column shows), then the
     server's token counts, the router's notes and the rule."""
     t = r.json()["timings"]
-    return (f"{r.headers['X-Slotkeeper-Session']} · slot {r.headers['X-Slotkeeper-Slot']} · "
+    return (f"{r.headers['X-Slotkeeper-Session']} #{r.headers['X-Slotkeeper-Slot']} "
             f"{r.headers['X-Slotkeeper-Action']} · {t['cache_n']:,} reused · "
             f"{t['prompt_n']:,} prefilled{' · ' + notes if notes else ''} · header x-session-id")
 
@@ -115,7 +115,7 @@ def test_mitmweb_shows_the_routing(llama, make_web):
     assert second.headers["X-Slotkeeper-Action"] == "kept"
     assert two["marked"] == emoji[MARKERS["kept"]]
     t = streamed["timings"]
-    assert re.fullmatch(rf"web-2 · slot \d · assigned · {t['cache_n']:,} reused · "
+    assert re.fullmatch(rf"web-2 #\d assigned · {t['cache_n']:,} reused · "
                         rf"{t['prompt_n']:,} prefilled · header x-session-id",
                         three["comment"]), three["comment"]
     api_flow = next(f for path, f in by_path if path == "/api/sessions/current")

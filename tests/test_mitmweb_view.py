@@ -112,17 +112,17 @@ def test_stream_text_of_each_route(event, text):
 @pytest.mark.parametrize(("summary", "comment"), [
     ({"session": "s1", "slot": 2, "action": "kept", "rule": "header x-session-id", "detail": "",
       "reused": 4210, "prefilled": 35},
-     "s1 · slot 2 · kept · 4,210 reused · 35 prefilled · header x-session-id"),
+     "s1 #2 kept · 4,210 reused · 35 prefilled · header x-session-id"),
     # Before the answer: no token counts yet.
     ({"session": "s2", "slot": 1, "action": "restored", "rule": "body session_id",
       "detail": "saved s3; restored 464 tokens in 5 ms"},
-     "s2 · slot 1 · restored · saved s3, restored 464 tokens in 5 ms · body session_id"),
+     "s2 #1 restored · saved s3, restored 464 tokens in 5 ms · body session_id"),
     ({"session": "s1", "slot": None, "action": "unpinned", "rule": "default", "detail": ""},
-     "s1 · no slot · unpinned · default"),
-    # A long id is cut in the head and given whole at the end.
+     "s1 unpinned · default"),
+    # A long id is shown by its end in the head, and whole at the end.
     ({"session": "3f2a9c71-0b6e-4d1a-9c55-1e2f3a4b5c6d", "slot": 0, "action": "assigned",
       "rule": "header x-claude-code-session-id", "detail": "", "reused": 0, "prefilled": 12},
-     "3f2a9c71-0b… · slot 0 · assigned · 0 reused · 12 prefilled · "
+     "…b5c6d #0 assigned · 0 reused · 12 prefilled · "
      "header x-claude-code-session-id · session 3f2a9c71-0b6e-4d1a-9c55-1e2f3a4b5c6d"),
 ])
 def test_flow_comment_puts_session_slot_action_first(summary, comment):

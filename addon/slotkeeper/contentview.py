@@ -37,27 +37,37 @@ def outcome_words(action: str, detail: str) -> str:
 
 
 SEPARATOR = " · "
-SESSION_HEAD_CHARS = 12
+# mitmweb's Comment column is 150 px wide (8 px of it padding) and cuts what does not fit:
+# about 18 characters of its 14 px sans-serif font. "web-1 #0 restored" takes 131 px with
+# DejaVu Sans (measured in Chromium), so the head is session, slot and action in that form, and
+# a longer session id is shown by its last characters (what tells `content-<hash>` ids and
+# `parent/child` ids apart), whole further on.
+SESSION_HEAD_CHARS = 7
+SESSION_TAIL_CHARS = 5
 
 
 def short_session(session: str) -> str:
-    """A session id cut to fit the head of the comment; the whole id follows later in it."""
     if len(session) <= SESSION_HEAD_CHARS:
         return session
-    return session[:SESSION_HEAD_CHARS - 1] + "\N{HORIZONTAL ELLIPSIS}"
+    return "\N{HORIZONTAL ELLIPSIS}" + session[-SESSION_TAIL_CHARS:]
+
+
+def comment_head(summary: dict[str, Any]) -> str:
+    """"web-1 #2 kept": session, slot (#N), action; what mitmweb's narrow column shows."""
+    session = short_session(str(summary.get("session") or "?"))
+    slot = summary.get("slot")
+    action = str(summary.get("action") or "?")
+    return f"{session} {action}" if slot is None else f"{session} #{slot} {action}"
 
 
 def flow_comment(summary: dict[str, Any]) -> str:
-    """The flow comment from the routing summary (flow.metadata["slotkeeper"]). mitmweb shows
-    comments in a column 150 px wide and cuts the rest, so the facts that tell flows apart
-    come first and short: "s1 · slot 2 · kept", then the server's token counts once the
-    answer is in, the router's notes, the rule that named the session, and a long session id
-    in full: "s1 · slot 2 · restored · 4,210 reused · 35 prefilled · saved s3, restored 4,210
-    tokens in 38 ms · header x-session-id"."""
+    """The flow comment from the routing summary (flow.metadata["slotkeeper"]): the head,
+    then the server's token counts once the answer is in, the router's notes, the rule that
+    named the session, and a long session id in full: "s2 #1 restored · 4,210 reused ·
+    35 prefilled · saved s3, restored 4,210 tokens in 38 ms · header x-session-id"."""
     session = str(summary.get("session") or "?")
     action = str(summary.get("action") or "?")
-    slot = summary.get("slot")
-    parts = [short_session(session), "no slot" if slot is None else f"slot {slot}", action]
+    parts = [comment_head(summary)]
     for key in ("reused", "prefilled"):
         if isinstance(summary.get(key), int):
             parts.append(f"{summary[key]:,} {key}")
