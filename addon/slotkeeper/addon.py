@@ -321,7 +321,6 @@ class SlotKeeper:
         metrics.timings(route.upstream, timings)
         if timings is not None:
             flow.metadata[SUMMARY_KEY].update(reused=timings.cache_n, prefilled=timings.prompt_n)
-            flow.comment = flow_comment(flow.metadata[SUMMARY_KEY])
         await self._finish(route, timings)
 
     async def error(self, flow: http.HTTPFlow) -> None:
