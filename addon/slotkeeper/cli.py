@@ -338,6 +338,7 @@ class LocalServer:
     port: int
     slot_dir: Path
     log: Path
+    extra: tuple[str, ...] = ()  # after the defaults: llama-server takes the last of a flag
 
     @property
     def url(self) -> str:
@@ -345,7 +346,8 @@ class LocalServer:
 
     def command(self, binary: Path | str, model: Path | str) -> list[str]:
         return [str(binary), "-m", str(model), "--host", self.host, "--port", str(self.port),
-                *LOCAL_SERVER_FLAGS, *model_flags(model), "--slot-save-path", str(self.slot_dir)]
+                *LOCAL_SERVER_FLAGS, *model_flags(model), "--slot-save-path", str(self.slot_dir),
+                *self.extra]
 
 
 def local_server_wanted(conf: Mapping[str, Scalar | list[Scalar]], user: UserOptions
@@ -512,7 +514,13 @@ def status(argv: Sequence[str]) -> int:
     return status_main(argv)
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"status": status}
+def demo(argv: Sequence[str]) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(argv)
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"status": status, "demo": demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
