@@ -7,11 +7,13 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from testbed import LlamaServer, chat, content_of
+from slotkeeper.cli import LocalServer, start_local_server, stop
+from testbed import chat, content_of, free_port
 
 SLOTKEEPER = Path(sys.executable).parent / "slotkeeper"
 # A sentence: words of letters (digits and light punctuation allowed), no template markers.
@@ -34,13 +36,28 @@ def assert_sentence(answer: str) -> None:
     assert " " in answer.strip(), answer  # more than one word
 
 
+@pytest.fixture(scope="module")
+def launcher_server(llama_bin: Path, model_path: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
+    """The llama-server the launcher starts for the quick start (its code, its flags)."""
+    folder = tmp_path_factory.mktemp("launcher-server")
+    server = LocalServer("127.0.0.1", free_port(), folder / "slots", folder / "log")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SLOTKEEPER_LLAMA_SERVER", str(llama_bin))
+        env.setenv("SLOTKEEPER_MODEL", str(model_path))
+        proc = start_local_server(server)
+    yield server
+    stop(proc)
+
+
 @pytest.mark.parametrize("question", ["What is the capital of France?",
                                       "Name a colour of the sky.",
                                       "Say hello to the team."])
-def test_the_demo_model_answers_a_chat_with_a_sentence(llama: LlamaServer, question: str) -> None:
-    """The test bed's llama-server has the launcher's flags for the demo model: without a chat
-    template it answered "<|im_end|>\\n<|im" (ChatML debris)."""
-    answer = content_of(chat(llama.url, [{"role": "user", "content": question}], n_predict=24))
+def test_the_demo_model_answers_a_chat_with_a_sentence(launcher_server: LocalServer,
+                                                       question: str) -> None:
+    """Without a chat template the demo model answered "<|im_end|>\\n<|im" (ChatML debris)."""
+    answer = content_of(chat(launcher_server.url, [{"role": "user", "content": question}],
+                             n_predict=24))
     assert_sentence(answer)
 
 

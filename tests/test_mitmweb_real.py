@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,8 @@ from mitmproxy.utils.emoji import emoji
 from slotkeeper import contentview
 from slotkeeper.addon import MARKERS
 from slotkeeper.cli import load_conf
-from testbed import MITMDUMP, REPO, LlamaServer, Proxy, chat, free_port, long_system_prompt
+from testbed import (MITMDUMP, REPO, LlamaServer, Proxy, chat, free_port, long_system_prompt,
+                     port_open)
 
 MITMWEB = MITMDUMP.with_name("mitmweb")
 DEFAULT_COLUMNS = ["tls", "icon", "path", "method", "status", "size", "time"]
@@ -39,6 +41,16 @@ class Web(Proxy):
 
     def command(self) -> list[str]:
         return [str(MITMWEB), *super().command()[1:]]
+
+    def start(self) -> Web:
+        super().start()
+        # mitmweb opens its web port after the proxy port: wait for it too (under load the
+        # first API call came before it).
+        deadline = time.monotonic() + 30
+        while not port_open(self.web_port):
+            assert time.monotonic() < deadline, f"mitmweb's web port {self.web_port} not open"
+            time.sleep(0.1)
+        return self
 
     @property
     def web(self) -> str:
@@ -225,11 +237,8 @@ def test_saved_flows_carry_comment_marker_metadata_and_view(make_llama, make_pro
 
 def test_one_log_line_per_routing_decision_not_per_chunk(llama, make_proxy):
     proxy = make_proxy(llama, slotkeeper_small_request_chars=0)
-    # A stop string of its own, that the model will not write: the demo server's default
-    # stops end an answer after one line, and this needs a long stream.
     streamed = chat(proxy.url, [{"role": "user", "content": "Count from one to forty."}],
-                    {"X-Session-Id": "log-once"}, n_predict=48, stream=True,
-                    stop=["<never written>"])
+                    {"X-Session-Id": "log-once"}, n_predict=48, stream=True)
     assert len(streamed["events"]) >= 20
     proxy.stop()
     log = proxy.log_text()

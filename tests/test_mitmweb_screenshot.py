@@ -82,7 +82,7 @@ def launch_web(upstream: str, workdir: Path, port: int, web_port: int, password:
              "--set", "web_open_browser=false", "--set", f"confdir={workdir / 'confdir'}",
              "--set", f"slotkeeper_state_file={workdir / 'state.json'}",
              "--set", f"slotkeeper_slot_dir={workdir / 'slots'}",
-             "--set", "slotkeeper_idle_save_seconds=0"],
+             "--set", "slotkeeper_idle_save_seconds=0", "--set", "slotkeeper_max_seeds=0"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
@@ -101,12 +101,14 @@ def test_mitmweb_rows_show_session_slot_and_action(chromium, make_llama, tmp_pat
         wait_for_mitmproxy(proc, port, log, 60)
         url = f"http://127.0.0.1:{port}"
         # Three sessions on two slots, long enough to be saved (2,000+ characters, 256+
-        # tokens), so the third takes a slot over and the first comes back restored.
-        sessions = {"web-1": 1, "web-2": 2, LONG_ID: 3}
+        # tokens), so the third takes a slot over and the first comes back restored, then
+        # stays (kept); a short request is a side request.
+        sessions = {"web-1": 1, "web-2": 2, LONG_ID: 3, "web-3": 4}
         conversations = {s: [{"role": "system", "content": long_system_prompt(350, seed=k)}]
                          for s, k in sessions.items()}
+        conversations["web-3"] = []
         heads, actions = [], []
-        for session in ["web-1", "web-2", LONG_ID, "web-1"]:
+        for session in ["web-1", "web-2", LONG_ID, "web-1", "web-1", "web-3"]:
             messages = conversations[session]
             messages.append({"role": "user", "content": "What is the capital of France?"})
             r = requests.post(url + "/v1/chat/completions", timeout=600,
@@ -115,16 +117,17 @@ def test_mitmweb_rows_show_session_slot_and_action(chromium, make_llama, tmp_pat
             assert r.status_code == 200, r.text[:500]
             messages.append(r.json()["choices"][0]["message"])
             routing = {"session": r.headers["X-Slotkeeper-Session"],
-                       "slot": int(r.headers["X-Slotkeeper-Slot"]),
+                       "slot": int(r.headers["X-Slotkeeper-Slot"])
+                       if r.headers["X-Slotkeeper-Slot"] else None,
                        "action": r.headers["X-Slotkeeper-Action"]}
             assert routing["session"] == session
             heads.append(flow_comment(routing))
             actions.append(routing["action"])
-        assert "restored" in actions, actions  # the handover path is on screen too
+        assert actions == ["assigned", "assigned", "assigned", "restored", "kept", "side"]
 
         with Browser(chromium, tmp_path / "chromium-profile") as browser:
             browser.goto(f"http://127.0.0.1:{web_port}/?token={password}")
-            browser.wait_for("document.querySelectorAll('td.col-comment').length >= 4")
+            browser.wait_for("document.querySelectorAll('td.col-comment').length >= 6")
             rows = browser.evaluate(ROWS_JS)
             footer = browser.evaluate("document.querySelector('footer').innerText")
             shot = tmp_path / "mitmweb.png"

@@ -165,11 +165,12 @@ class LlamaServer(_LocalProcess):
 
     def command(self) -> list[str]:
         # --swa-full: Gemma 3 uses sliding-window attention; without it a restored slot is not
-        # reused. -t 2: the test machines have 2 cores. --no-repack and the model's flags (its
-        # chat template): the same as the launcher's local server (slotkeeper/cli.py).
+        # reused. -t 2: the test machines have 2 cores. --no-repack and the model's chat
+        # template: as the launcher's local server (slotkeeper/cli.py), without its default
+        # stop strings, which end an answer after one line (tests stream long answers).
         cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
                "--port", str(self.port), "-np", str(self.np), "--swa-full", "-c", str(self.ctx),
-               "-t", "2", "--no-repack", *model_flags(self.model)]
+               "-t", "2", "--no-repack", *model_flags(self.model, stops=False)]
         if self.slot_save_path is not None:
             cmd += ["--slot-save-path", str(self.slot_save_path)]
         return cmd + self.extra

@@ -61,17 +61,22 @@ DEMO_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ 'Assistant:' }}{%- endif -%}")
 DEMO_STOPS = ("\nUser:", "\nAssistant:")
-DEMO_MODEL_FLAGS = ("--chat-template", DEMO_CHAT_TEMPLATE,
-                    *(arg for stop in DEMO_STOPS for arg in ("-r", stop)))
+DEMO_TEMPLATE_FLAGS = ("--chat-template", DEMO_CHAT_TEMPLATE)
+DEMO_STOP_FLAGS = tuple(arg for stop in DEMO_STOPS for arg in ("-r", stop))
+DEMO_MODEL_FLAGS = DEMO_TEMPLATE_FLAGS + DEMO_STOP_FLAGS
 HEALTH_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 PR_SET_PDEATHSIG = 1
 
 
-def model_flags(model: Path | str) -> tuple[str, ...]:
-    """llama-server flags the model needs: the transcript template for the demo model."""
-    return DEMO_MODEL_FLAGS if Path(model).name == MODEL_NAME else ()
+def model_flags(model: Path | str, stops: bool = True) -> tuple[str, ...]:
+    """llama-server flags the model needs: the transcript template for the demo model, and
+    its stop strings unless `stops` is False (the test bed: tests that need a long generation
+    would end after one line)."""
+    if Path(model).name != MODEL_NAME:
+        return ()
+    return DEMO_MODEL_FLAGS if stops else DEMO_TEMPLATE_FLAGS
 
 
 class UsageError(Exception):
