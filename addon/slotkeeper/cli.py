@@ -46,9 +46,9 @@ LOCAL_SERVER_FLAGS = ("-np", "4", "--swa-full", "-c", "16384", "--no-repack")
 # a random token. A plain transcript is what a base model continues well ("User: What is the
 # capital of France?\nAssistant:" -> " The capital of France is Paris."), so the demo server
 # gets that as a Jinja template (llama-server b11434 reads --chat-template as Jinja; a built-in
-# name like `gemma` would be taken as the literal text "gemma"), and the next "User:" line as
-# its default stop strings (-r, used when a request gives none), so an answer ends where the
-# model starts the next turn instead of writing the rest of the conversation itself.
+# name like `gemma` would be taken as the literal text "gemma"), and the starts of the next
+# turns ("\nUser:", "\nAssistant:") as its default stop strings (-r, used when a request gives
+# none), so an answer ends where the model would write the rest of the conversation itself.
 # Only for the demo model: another model brings its own template.
 DEMO_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
