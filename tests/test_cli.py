@@ -75,7 +75,7 @@ def test_the_demo_model_gets_its_chat_template_and_stops(tmp_path: Path) -> None
     cmd = server.command("llama-server", tmp_path / MODEL_NAME)
     template = cmd[cmd.index("--chat-template") + 1]
     assert "'User: '" in template and "'Assistant:'" in template
-    assert after(cmd, "-r") == ["\nUser:", "\nAssistant:"]
+    assert after(cmd, "-r") == ["User:", "Assistant:"]
     assert "--no-repack" in cmd
     # Another model keeps its own template.
     assert model_flags(tmp_path / "other.gguf") == ()

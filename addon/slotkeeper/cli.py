@@ -46,9 +46,10 @@ LOCAL_SERVER_FLAGS = ("-np", "4", "--swa-full", "-c", "16384", "--no-repack")
 # a random token. A plain transcript is what a base model continues well ("User: What is the
 # capital of France?\nAssistant:" -> " The capital of France is Paris."), so the demo server
 # gets that as a Jinja template (llama-server b11434 reads --chat-template as Jinja; a built-in
-# name like `gemma` would be taken as the literal text "gemma"), and the starts of the next
-# turns ("\nUser:", "\nAssistant:") as its default stop strings (-r, used when a request gives
-# none), so an answer ends where the model would write the rest of the conversation itself.
+# name like `gemma` would be taken as the literal text "gemma"), and the names of the turns
+# ("User:", "Assistant:") as its default stop strings (-r, used when a request gives none), so
+# an answer ends where the model would write the rest of the conversation itself. (Without the
+# newline before them: the command then stays one line, e.g. in `slotkeeper --dry-run`.)
 # Only for the demo model: another model brings its own template.
 DEMO_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -60,7 +61,7 @@ DEMO_CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ 'Assistant:' }}{%- endif -%}")
-DEMO_STOPS = ("\nUser:", "\nAssistant:")
+DEMO_STOPS = ("User:", "Assistant:")
 DEMO_TEMPLATE_FLAGS = ("--chat-template", DEMO_CHAT_TEMPLATE)
 DEMO_STOP_FLAGS = tuple(arg for stop in DEMO_STOPS for arg in ("-r", stop))
 DEMO_MODEL_FLAGS = DEMO_TEMPLATE_FLAGS + DEMO_STOP_FLAGS
