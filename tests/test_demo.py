@@ -29,11 +29,11 @@ def number(text: str) -> int:
     return int(text.replace(",", ""))
 
 
-def assert_sentence(answer: str) -> None:
+def assert_sentence(answer: str, min_words: int = 1) -> None:
     assert "<|im_" not in answer and "<start_of_turn>" not in answer, answer
     assert "User:" not in answer and "Assistant:" not in answer, answer
     assert SENTENCE.fullmatch(answer.strip()), answer
-    assert " " in answer.strip(), answer  # more than one word
+    assert len(answer.split()) >= min_words, answer
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_the_demo_model_answers_a_chat_with_a_sentence(launcher_server: LocalSer
     """Without a chat template the demo model answered "<|im_end|>\\n<|im" (ChatML debris)."""
     answer = content_of(chat(launcher_server.url, [{"role": "user", "content": question}],
                              n_predict=24))
-    assert_sentence(answer)
+    assert_sentence(answer, min_words=2)
 
 
 def test_demo_runs_sessions_through_slotkeeper_beside_direct(llama_bin: Path, model_path: Path

@@ -25,12 +25,14 @@ from typing import Any
 
 import requests
 
-from .cli import (LocalServer, UsageError, default_conf, die_with_parent, load_conf,
-                  mitmproxy_command, start_local_server, stop, user_options)
+from .cli import (DEMO_STOPS, LocalServer, UsageError, default_conf, die_with_parent,
+                  load_conf, mitmproxy_command, start_local_server, stop, user_options)
 
 SLOTS = 2  # fewer than the sessions, so that sessions must take turns on the slots
 CONTEXT = 8192  # 4,096 tokens per slot
 ANSWER_TOKENS = 24
+# One line per answer: the small base model otherwise goes on with lists or the next turns.
+ANSWER_STOPS = ("\n", *DEMO_STOPS)
 PROXY_START_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 600.0
 
@@ -53,10 +55,13 @@ SYSTEM_PROMPT = "You are a careful coding assistant working in a user's project.
 FILE_LINES = 40
 
 
-def session_file(number: int) -> str:
+def session_file(number: int) -> list[dict[str, str]]:
+    """The opening of session `number`: a file it was given, and its acknowledgement."""
     lines = [f"def step_{number}_{i}(value):\n    return value * {i} + {number}"
              for i in range(FILE_LINES // 2)]
-    return f"Here is the file module_{number}.py:\n\n" + "\n\n".join(lines) + "\n\n"
+    return [{"role": "user",
+             "content": f"Here is the file module_{number}.py:\n\n" + "\n\n".join(lines)},
+            {"role": "assistant", "content": f"I have read module_{number}.py."}]
 
 
 QUESTIONS = [
@@ -86,7 +91,8 @@ def free_port() -> int:
 
 def ask(url: str, messages: list[dict[str, str]], session: str | None) -> Turn:
     headers = {"X-Session-Id": session} if session else {}
-    body = {"messages": messages, "temperature": 0, "max_tokens": ANSWER_TOKENS}
+    body = {"messages": messages, "temperature": 0, "max_tokens": ANSWER_TOKENS,
+            "stop": list(ANSWER_STOPS)}
     try:
         r = requests.post(url + "/v1/chat/completions", json=body, headers=headers,
                           timeout=REQUEST_TIMEOUT_S)
@@ -181,8 +187,9 @@ def run(sessions: int, turns: int, out: Any) -> dict[str, int]:
                     messages = history[name]
                     number = names.index(name) + 1
                     question = QUESTIONS[(turn - 2 + number) % len(QUESTIONS)]
-                    opening = session_file(number) if turn == 1 else ""
-                    messages.append({"role": "user", "content": opening + question})
+                    if turn == 1:
+                        messages += session_file(number)
+                    messages.append({"role": "user", "content": question})
                     proxied = ask(proxy, messages, name)
                     direct = ask(servers[1].url, messages, None)
                     totals["slotkeeper"] += proxied.prefilled
