@@ -17,7 +17,7 @@ from testbed import chat, content_of, free_port
 
 SLOTKEEPER = Path(sys.executable).parent / "slotkeeper"
 # A sentence: words of letters (digits and light punctuation allowed), no template markers.
-SENTENCE = re.compile(r"[A-Za-z][A-Za-z0-9 ,.'!?-]*")
+SENTENCE = re.compile(r"[A-Za-z][A-Za-z0-9_ ,.'!?-]*")
 TURN = re.compile(r"(demo-\d) +(\d+)  slot +(\d+|-) (\w+) +([\d,]+) +([\d,]+) +[\d.]+ s"
                   r"  \| *([\d,]+) +([\d,]+) +[\d.]+ s")
 ANSWER = re.compile(r" {14}('.*'|\".*\") -> ('.*'|\".*\")")

@@ -176,9 +176,10 @@ def run(sessions: int, turns: int, out: Any) -> dict[str, int]:
                   f"slotkeeper ({proxy}), then the same messages straight to a second "
                   f"llama-server with the same flags. Token counts are the servers' own "
                   f"(timings.cache_n, timings.prompt_n).\n", file=out)
-            print(f"{'session':<7} {'turn':>4}  {'through slotkeeper':<17}{'reused':>7} "
-                  f"{'prefilled':>9} {'time':>8}  |{'direct':>7} {'prefilled':>9} "
-                  f"{'time':>8}", file=out)
+            print(f"{'':14}{'through slotkeeper':<43}  | direct to llama-server", file=out)
+            print(f"{'session':<7} {'turn':>4}  {'slot':<7} {'action':<9}{'reused':>7} "
+                  f"{'prefilled':>9} {'prefill':>8}  |{'reused':>7} {'prefilled':>9} "
+                  f"{'prefill':>8}", file=out)
             totals = {"slotkeeper": 0, "direct": 0}
             names = [f"demo-{i}" for i in range(1, sessions + 1)]
             history = {name: [{"role": "system", "content": SYSTEM_PROMPT}] for name in names}
