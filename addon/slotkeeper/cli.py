@@ -8,7 +8,7 @@ bare `slotkeeper` works out of a checkout.
 `slotkeeper status [--proxy URL] [--json]` reports upstreams, slots and saved sessions
 (slotkeeper/status.py).
 
-`slotkeeper demo` runs a one-minute demonstration: a few conversations through the proxy and
+`slotkeeper demo` runs a short demonstration: a few conversations through the proxy and
 the same turns sent direct to llama-server, side by side (slotkeeper/demo.py).
 """
 

@@ -1,4 +1,4 @@
-"""`slotkeeper demo`: what slotkeeper does, in about a minute, on this machine.
+"""`slotkeeper demo`: what slotkeeper does, on this machine, in a few minutes at most.
 
 Two llama-servers with the demo model and the same flags (2 slots each), one behind a
 slotkeeper proxy (mitmdump with the addon and mitm.conf's options, as `slotkeeper` runs it), one
@@ -219,7 +219,7 @@ def run(sessions: int, turns: int, out: Any) -> dict[str, int]:
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="slotkeeper demo", allow_abbrev=False,
-        description="A minute of slotkeeper: a few sessions through the proxy, the same turns "
+        description="slotkeeper in a few minutes: a few sessions through the proxy, the same turns "
                     "sent straight to llama-server, side by side.")
     parser.add_argument("--sessions", type=int, default=3, choices=range(1, 9),
                         metavar="N", help="sessions (1-8, default 3)")
