@@ -23,14 +23,30 @@ TIMEOUT_S = 900
 SLOTS = 2
 CONTEXT = 32768
 ANSWER_TOKENS = 8
+# A template that renders tools, tool calls and results and reasoning (see the file).
+TEMPLATE = Path(__file__).parent / "templates" / "chatml-tools.jinja"
 
 
 @pytest.fixture(scope="module")
 def big_llama(llama_bin: Path, model_path: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    """The server for answers: the model's default template (ChatML, which leaves tools out,
+    so Claude Code's requests stay ~9,000 tokens)."""
     workdir = tmp_path_factory.mktemp("llama-anthropic")
     server = LlamaServer(workdir, np=SLOTS, ctx=CONTEXT, binary=llama_bin, model=model_path,
                          extra=["--no-repack"]).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def render_llama(llama_bin: Path, model_path: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    """The server for renders only (nothing is prefilled): a template that renders every part
+    of a request."""
+    workdir = tmp_path_factory.mktemp("llama-render")
+    server = LlamaServer(workdir, np=1, ctx=4096, binary=llama_bin, model=model_path,
+                         extra=["--no-repack", "--chat-template-file", str(TEMPLATE)]).start()
     yield server
     server.stop()
 
@@ -98,17 +114,24 @@ def corpus_bodies() -> list[tuple[str, dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("name", [name for name, _ in corpus_bodies()])
-def test_translated_request_renders_the_same_prompt(big_llama, name):
+def test_translated_request_renders_the_same_prompt(render_llama, name):
     """llama-server's own count for the Anthropic request equals the tokens of the prompt it
     renders for the translation. Rendering only: no prefill, so every request is checked."""
     body = dict(corpus_bodies())[name]
-    counted, translated, prompt = rendered_tokens(big_llama, body)
+    counted, translated, prompt = rendered_tokens(render_llama, body)
     assert counted == translated, (counted, translated)
     assert counted > 0
-    if body.get("tools"):
-        # The tools are in the prompt (the count alone could agree by accident).
-        first_tool = body["tools"][0]["name"]
-        assert first_tool in prompt
+    # Every part is in the render (equal counts of two renders could agree by accident).
+    for tool in body.get("tools", []):
+        assert f'"name":"{tool["name"]}"' in prompt.replace(": ", ":")
+    for message in body["messages"]:
+        for block in message["content"] if isinstance(message["content"], list) else []:
+            if block["type"] == "tool_use":
+                assert f"<tool_call>{block['name']} " in prompt and block["id"] in prompt
+            if block["type"] == "tool_result":
+                assert f"(result of {block['tool_use_id']})" in prompt
+            if block["type"] == "thinking" and block["thinking"]:
+                assert f"<think>{block['thinking']}</think>" in prompt
 
 
 def anthropic_events(response: requests.Response) -> list[tuple[str, dict[str, Any]]]:
