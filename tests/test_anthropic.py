@@ -290,9 +290,11 @@ def chunk(delta: dict, finish: str | None = None, timings: dict | None = None) -
 
 
 FIRST_TIMINGS = {"cache_n": 30, "prompt_n": 12, "predicted_n": 1}
+# As llama-server streams with timings_per_token: the first token's role-only event has no
+# timings, the token itself has them.
 STREAM = b"".join([
-    sse(chunk({"role": "assistant", "content": None}, timings=FIRST_TIMINGS)),
-    sse(chunk({"reasoning_content": "Let me "})),
+    sse(chunk({"role": "assistant", "content": None})),
+    sse(chunk({"reasoning_content": "Let me "}, timings=FIRST_TIMINGS)),
     sse(chunk({"reasoning_content": "think. é"})),
     sse(chunk({"content": "Listing"})),
     b":\n\n",  # a keep-alive ping
@@ -381,10 +383,11 @@ def test_stream_events_come_out_as_their_chunks_arrive():
     """Nothing is held back: each complete event is answered by the call that completes it."""
     translate = StreamTranslator()
     events = [e + b"\n\n" for e in STREAM.split(b"\n\n") if e]
-    assert parse_anthropic_sse(translate(events[0]))[0][0] == "message_start"
-    assert parse_anthropic_sse(translate(events[1]))[0][0] == "content_block_start"
-    assert translate(events[1][:10]) == b""  # half an event: nothing yet
-    assert parse_anthropic_sse(translate(events[1][10:]))[0][0] == "content_block_delta"
+    assert translate(events[0]) == b""  # the role alone: message_start waits for the timings
+    assert [name for name, _ in parse_anthropic_sse(translate(events[1]))] == [
+        "message_start", "content_block_start", "content_block_delta"]
+    assert translate(events[2][:10]) == b""  # half an event: nothing yet
+    assert parse_anthropic_sse(translate(events[2][10:]))[0][0] == "content_block_delta"
 
 
 def test_text_only_stream_with_crlf_and_length_stop():

@@ -360,6 +360,15 @@ def _anthropic_error(status: int, inner: dict[str, Any]) -> dict[str, Any]:
 
 # ---- answer: streamed -----------------------------------------------------------------------
 
+def _is_role_only(event: dict[str, Any]) -> bool:
+    """A chunk that carries nothing but the assistant role (no text, tool call or finish)."""
+    choices = event.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else {}
+    delta = _any(choice, "delta", {})
+    return (isinstance(delta, dict) and not _any(choice, "finish_reason", None)
+            and all(value is None or key == "role" for key, value in delta.items()))
+
+
 def sse_event(name: str, data: dict[str, Any]) -> bytes:
     """format_anthropic_sse: one `event:` line, one `data:` line, a blank line."""
     return b"event: " + name.encode() + b"\ndata: " + encode_json(data) + b"\n\n"
@@ -420,6 +429,11 @@ class StreamTranslator:
         if "error" in event:  # the server failed mid-stream: it ends the stream after this
             self._finished = True
             return sse_event("error", error_from_chat(500, encode_json({"error": event["error"]})))
+        if not self._started and "timings" not in event and _is_role_only(event):
+            # The server's first token comes as two events: {"role": "assistant"} alone, then
+            # the token with the timings (timings_per_token). message_start waits for the
+            # timings, so it can carry the prompt's usage as the server's own does.
+            return b""
         return self._start(event) + self._chunk(event)
 
     def _start(self, event: dict[str, Any]) -> bytes:
