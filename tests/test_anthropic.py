@@ -109,7 +109,8 @@ def test_content_blocks_map_like_the_servers_converter():
         {"role": "tool", "tool_call_id": "toolu_1", "content": "file text"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "ab"},
         {"role": "tool", "tool_call_id": "toolu_3", "content": [
-            {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "http://i"}}]},
+            {"type": "text", "text": "see"},
+            {"type": "image_url", "image_url": {"url": "http://i"}}]},
         {"role": "tool", "tool_call_id": "toolu_4", "content": ""},
         {"role": "user"},
         {"role": "assistant", "content": "", "tool_calls": [
@@ -142,7 +143,8 @@ def test_tools_choice_limits_and_sampling_fields():
     # What the server's converter drops is dropped here too.
     for dropped in ("model", "context_management", "service_tier", "thinking", "system"):
         assert dropped not in out
-    assert to_chat_request({"messages": [], "tool_choice": {"type": "auto"}})["tool_choice"] == "auto"
+    assert to_chat_request({"messages": [], "tool_choice": {"type": "auto"}})[
+        "tool_choice"] == "auto"
     assert to_chat_request({"messages": [], "tool_choice": {"type": "tool", "name": "R"}})[
         "tool_choice"] == "required"
     assert "tool_choice" not in to_chat_request({"messages": [], "tool_choice": {"type": "none"}})

@@ -23,6 +23,9 @@ TIMEOUT_S = 900
 SLOTS = 2
 CONTEXT = 32768
 ANSWER_TOKENS = 8
+# This machine's CPU has AMX; b11434's AMX matrix multiply (used for repacked weights)
+# segfaults at the first decode here (gdb: ggml_backend_amx_mul_mat). Without repacking it runs.
+NO_AMX = "--no-repack"
 # A template that renders tools, tool calls and results and reasoning (see the file).
 TEMPLATE = Path(__file__).parent / "templates" / "chatml-tools.jinja"
 
@@ -34,7 +37,7 @@ def big_llama(llama_bin: Path, model_path: Path,
     so Claude Code's requests stay ~9,000 tokens)."""
     workdir = tmp_path_factory.mktemp("llama-anthropic")
     server = LlamaServer(workdir, np=SLOTS, ctx=CONTEXT, binary=llama_bin, model=model_path,
-                         extra=["--no-repack"]).start()
+                         extra=[NO_AMX]).start()
     yield server
     server.stop()
 
@@ -46,7 +49,7 @@ def render_llama(llama_bin: Path, model_path: Path,
     of a request."""
     workdir = tmp_path_factory.mktemp("llama-render")
     server = LlamaServer(workdir, np=1, ctx=4096, binary=llama_bin, model=model_path,
-                         extra=["--no-repack", "--chat-template-file", str(TEMPLATE)]).start()
+                         extra=[NO_AMX, "--chat-template-file", str(TEMPLATE)]).start()
     yield server
     server.stop()
 
