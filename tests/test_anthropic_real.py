@@ -261,3 +261,33 @@ def test_two_claude_sessions_keep_their_own_slots(big_llama, make_proxy):
         for (_, _, previous), (_, reused, _) in zip(turns, turns[1:]):
             assert reused >= 0.9 * previous, turns
     assert "selected slot by id" in big_llama.log_text()
+
+
+@pytest.mark.parametrize(("body", "status", "kind"), [
+    # The chat parser refuses a user message without content.
+    ({"messages": [{"role": "user"}], "max_tokens": 4}, 400, "invalid_request_error"),
+    # Longer than a slot's context (16,384 tokens): refused after tokenizing, before prefill.
+    ({"system": "x", "messages": [{"role": "user", "content": "token " * 20000}],
+      "max_tokens": 4}, 400, "invalid_request_error"),
+])
+def test_server_errors_come_back_as_anthropic_errors(big_llama, make_proxy, body, status, kind):
+    """The server's error answer to the translated request becomes an Anthropic error object
+    with the same status and message as the server gives for the original."""
+    proxy = make_proxy(big_llama)
+    direct = requests.post(big_llama.url + "/v1/messages", json=body, timeout=TIMEOUT_S)
+    through = requests.post(proxy.url + "/v1/messages", json=body, timeout=TIMEOUT_S,
+                            headers={"X-Claude-Code-Session-Id": "errors"})
+    assert direct.status_code == through.status_code == status, (direct.text, through.text)
+    answer = through.json()
+    assert answer["type"] == "error"
+    assert answer["error"]["type"] == kind
+    assert answer["error"]["message"] == direct.json()["error"]["message"]
+
+
+def test_count_tokens_passes_through(big_llama, make_proxy):
+    proxy = make_proxy(big_llama)
+    body = HANDMADE[0]
+    direct = post(big_llama.url + "/v1/messages/count_tokens", body).json()
+    through = post(proxy.url + "/v1/messages/count_tokens", body)
+    assert through.json() == direct
+    assert "X-Slotkeeper-Action" not in through.headers
