@@ -453,8 +453,9 @@ def test_messages_request_is_rewritten_to_chat_completions():
     surface = AnthropicMessages(_Keeper())
     body = {"system": "S", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
             "stream": True}
-    flow = post("/v1/messages?beta=true", body)
+    flow = post("/v1/messages?beta=true", body, {"accept-encoding": "gzip, br, zstd"})
     surface.request(flow)
+    assert flow.request.headers["accept-encoding"] == "identity"
     assert flow.request.path == "/v1/chat/completions?beta=true"
     assert flow.metadata[ORIGINAL_PATH_KEY] == "/v1/messages?beta=true"
     assert isinstance(translation_of(flow), MessagesTranslation)

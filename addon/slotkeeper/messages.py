@@ -82,6 +82,8 @@ class AnthropicMessages:
         req.path = anthropic.chat_path(req.path)
         req.headers.pop("content-encoding", None)
         req.headers.pop("transfer-encoding", None)
+        # The answer is rewritten chunk by chunk: it must arrive uncompressed.
+        req.headers["accept-encoding"] = "identity"
         req.content = encoded
         req.headers["content-length"] = str(len(encoded))
 
