@@ -19,6 +19,7 @@ from .bodies import BodyError, BodyRefused, BodyTooLarge, SseTimingsWatcher, Tim
 from .contentview import MitmwebView, flow_comment
 from .identity import Identity, IdentityConfig, identify
 from .locks import SlotLocks
+from .messages import AnthropicMessages
 from .router import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, UNPINNED, Route,
                      Router, RouterConfig)
 from .slotfiles import SlotFolder
@@ -542,4 +543,6 @@ def error_response(status: int, message: str) -> http.Response:
 def make_addons() -> list:
     """Fresh addon objects: the entry script calls this each time mitmproxy (re)loads it."""
     keeper = SlotKeeper()
-    return [keeper, SessionApi(keeper), metrics.MetricsEndpoint(keeper), MitmwebView()]
+    # Surfaces that rewrite a request into llama-server's own API come first (translation.py).
+    return [AnthropicMessages(keeper), keeper, SessionApi(keeper), metrics.MetricsEndpoint(keeper),
+            MitmwebView()]

@@ -1,0 +1,293 @@
+"""Anthropic /v1/messages through slotkeeper against the real llama-server: the translated
+request renders the very prompt the server renders for the original, gives the same answer at
+temperature 0 (whole and streamed, event for event), and Claude-style sessions keep their own
+slots. The corpus holds real Claude Code requests (tests/corpus/claude, see its README)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from slotkeeper.anthropic import to_chat_request
+from test_anthropic import corpus_requests
+from testbed import LlamaServer, long_system_prompt
+
+TIMEOUT_S = 900
+# Claude Code's requests are ~9,000 tokens (its tools and system prompt): 2 slots of 16,384.
+SLOTS = 2
+CONTEXT = 32768
+ANSWER_TOKENS = 8
+# This machine's CPU has AMX; b11434's AMX matrix multiply (used for repacked weights)
+# segfaults at the first decode here (gdb: ggml_backend_amx_mul_mat). Without repacking it runs.
+NO_AMX = "--no-repack"
+# A template that renders tools, tool calls and results and reasoning (see the file).
+TEMPLATE = Path(__file__).parent / "templates" / "chatml-tools.jinja"
+
+
+@pytest.fixture(scope="module")
+def big_llama(llama_bin: Path, model_path: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    """The server for answers: the model's default template (ChatML, which leaves tools out,
+    so Claude Code's requests stay ~9,000 tokens)."""
+    workdir = tmp_path_factory.mktemp("llama-anthropic")
+    server = LlamaServer(workdir, np=SLOTS, ctx=CONTEXT, binary=llama_bin, model=model_path,
+                         extra=[NO_AMX]).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def render_llama(llama_bin: Path, model_path: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    """The server for renders only (nothing is prefilled): a template that renders every part
+    of a request."""
+    workdir = tmp_path_factory.mktemp("llama-render")
+    server = LlamaServer(workdir, np=1, ctx=4096, binary=llama_bin, model=model_path,
+                         extra=[NO_AMX, "--chat-template-file", str(TEMPLATE)]).start()
+    yield server
+    server.stop()
+
+
+def small(body: dict[str, Any], stream: bool | None = None) -> dict[str, Any]:
+    """The request with a small answer at temperature 0 (greedy: the same prompt gives the
+    same text)."""
+    out = copy.deepcopy(body)
+    out.update(max_tokens=ANSWER_TOKENS, temperature=0)
+    if stream is not None:
+        out["stream"] = stream
+    return out
+
+
+def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+         stream: bool = False) -> requests.Response:
+    response = requests.post(url, json=body, headers=headers or {}, timeout=TIMEOUT_S,
+                             stream=stream)
+    if not stream:
+        assert response.status_code == 200, f"{url}: {response.status_code} {response.text[:1000]}"
+    return response
+
+
+def rendered_tokens(llama: LlamaServer, body: dict[str, Any]) -> tuple[int, int, str]:
+    """(tokens the server counts for the Anthropic request, tokens of the prompt it renders for
+    the translated request, that prompt)."""
+    counted = post(llama.url + "/v1/messages/count_tokens", body).json()["input_tokens"]
+    prompt = post(llama.url + "/apply-template", to_chat_request(body)).json()["prompt"]
+    tokens = post(llama.url + "/tokenize", {"content": prompt, "add_special": True,
+                                            "parse_special": True}).json()["tokens"]
+    return counted, len(tokens), prompt
+
+
+# Requests beside the captured ones: every block type the converter knows (no images: the
+# test model has no vision projector, and both routes refuse them alike).
+HANDMADE = [
+    {"system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.1; "
+                                         "cc_entrypoint=cli; cch=ab12c;"},
+                {"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}],
+     "messages": [
+         {"role": "user", "content": "List the files."},
+         {"role": "assistant", "content": [
+             {"type": "thinking", "thinking": "Use ls.", "signature": ""},
+             {"type": "text", "text": "Listing."},
+             {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}}]},
+         {"role": "user", "content": [
+             {"type": "tool_result", "tool_use_id": "toolu_1",
+              "content": [{"type": "text", "text": "a.py\nb.py"}]},
+             {"type": "text", "text": "Which one is bigger?"}]}],
+     "tools": [{"name": "Bash", "description": "Run a command",
+                "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
+                                 "required": ["command"]}}],
+     "tool_choice": {"type": "auto"}, "thinking": {"type": "enabled", "budget_tokens": 256},
+     "stop_sequences": ["\n\n\n"], "metadata": {"user_id": "user_x_account__session_handmade"}},
+    {"system": "Answer in one word.",
+     "messages": [{"role": "user", "content": [{"type": "text", "text": "Sky colour?"}]},
+                  {"role": "assistant", "content": "Blue."},
+                  {"role": "user", "content": "Grass colour?"}]},
+]
+
+
+def corpus_bodies() -> list[tuple[str, dict[str, Any]]]:
+    captured = [(f"claude-{i}", r["body"]) for i, r in enumerate(corpus_requests())]
+    return captured + [(f"handmade-{i}", b) for i, b in enumerate(HANDMADE)]
+
+
+@pytest.mark.parametrize("name", [name for name, _ in corpus_bodies()])
+def test_translated_request_renders_the_same_prompt(render_llama, name):
+    """llama-server's own count for the Anthropic request equals the tokens of the prompt it
+    renders for the translation. Rendering only: no prefill, so every request is checked."""
+    body = dict(corpus_bodies())[name]
+    counted, translated, prompt = rendered_tokens(render_llama, body)
+    assert counted == translated, (counted, translated)
+    assert counted > 0
+    # Every part is in the render (equal counts of two renders could agree by accident).
+    for tool in body.get("tools", []):
+        assert f'"name":"{tool["name"]}"' in prompt.replace(": ", ":")
+    for message in body["messages"]:
+        for block in message["content"] if isinstance(message["content"], list) else []:
+            if block["type"] == "tool_use":
+                assert f"<tool_call>{block['name']} " in prompt and block["id"] in prompt
+            if block["type"] == "tool_result":
+                assert f"(result of {block['tool_use_id']})" in prompt
+            if block["type"] == "thinking" and block["thinking"]:
+                assert f"<think>{block['thinking']}</think>" in prompt
+
+
+def anthropic_events(response: requests.Response) -> list[tuple[str, dict[str, Any]]]:
+    events, name = [], None
+    for raw in response.iter_lines():
+        line = raw.decode()
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            events.append((name, json.loads(line[6:])))
+    return events
+
+
+def without_ids(events: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """Events with what differs between two runs of one prompt blanked: the message id, and the
+    usage (the prompt is cached in one run and not in the other)."""
+    out = []
+    for name, data in events:
+        data = copy.deepcopy(data)
+        if name == "message_start":
+            data["message"]["id"] = "-"
+            data["message"]["usage"] = "-"
+        if name == "message_delta":
+            data["usage"] = "-"
+        out.append((name, data))
+    return out
+
+
+def answers_compared(llama: LlamaServer, proxy_url: str, body: dict[str, Any],
+                     headers: dict[str, str]) -> None:
+    through = post(proxy_url + "/v1/messages", small(body, stream=False), headers)
+    assert through.headers["X-Slotkeeper-Action"] in ("assigned", "kept"), dict(through.headers)
+    translated = through.json()
+    used = translated["usage"]
+    prompt_tokens = used["input_tokens"] + used["cache_read_input_tokens"]
+    # The original, sent to the server's own /v1/messages, finds its whole prompt in the slot
+    # the translated request just filled (the server matches slots by tokens): the two render
+    # to the same tokens, not just the same number of them. (All but the last token: the
+    # server evaluates that one again to sample from it.)
+    direct = post(llama.url + "/v1/messages", small(body, stream=False), headers).json()
+    assert direct["usage"]["input_tokens"] + direct["usage"]["cache_read_input_tokens"] == \
+        prompt_tokens
+    assert direct["usage"]["cache_read_input_tokens"] >= prompt_tokens - 1, direct["usage"]
+    assert translated["content"] == direct["content"]
+    assert translated["content"], translated  # an empty answer would compare equal too
+    assert translated["stop_reason"] == direct["stop_reason"]
+    assert translated["usage"]["output_tokens"] == direct["usage"]["output_tokens"]
+
+    with post(llama.url + "/v1/messages", small(body, stream=True), headers,
+              stream=True) as response:
+        assert response.status_code == 200
+        direct_events = anthropic_events(response)
+    with post(proxy_url + "/v1/messages", small(body, stream=True), headers,
+              stream=True) as response:
+        assert response.status_code == 200
+        assert response.headers["X-Slotkeeper-Action"] == "kept"
+        assert response.headers["content-type"].startswith("text/event-stream")
+        proxy_events = anthropic_events(response)
+    assert without_ids(proxy_events) == without_ids(direct_events)
+    assert [name for name, _ in proxy_events][-2:] == ["message_delta", "message_stop"]
+    start = proxy_events[0][1]["message"]["usage"]
+    assert start["input_tokens"] + start["cache_read_input_tokens"] == prompt_tokens
+    assert start["cache_read_input_tokens"] >= prompt_tokens - 1  # its kept slot held it
+
+
+def test_same_answers_direct_and_translated(big_llama, make_proxy):
+    """At temperature 0, the server's own /v1/messages and slotkeeper's translation render the
+    same tokens and give the same content, stop reason and token counts, whole and streamed
+    event for event, on a captured Claude Code request (tools, thinking) and a handmade one
+    with every block type (small: pinned too, not a side request)."""
+    proxy = make_proxy(big_llama, slotkeeper_small_request_chars=0)
+    captured = corpus_requests()
+    main = max(captured, key=lambda r: len(json.dumps(r["body"])))
+    headers = {k: v for k, v in main["headers"] if k.lower() in (
+        "x-claude-code-session-id", "anthropic-version", "anthropic-beta")}
+    answers_compared(big_llama, proxy.url, main["body"], headers)
+    answers_compared(big_llama, proxy.url, HANDMADE[0],
+                     {"X-Claude-Code-Session-Id": "handmade-session"})
+
+
+def slot_by_id(llama: LlamaServer) -> dict[int, dict[str, Any]]:
+    return {s["id"]: s for s in requests.get(llama.url + "/slots", timeout=10).json()}
+
+
+def test_two_claude_sessions_keep_their_own_slots(big_llama, make_proxy):
+    """Two Claude-style sessions with one shared system prompt and tools (the case where the
+    server's similarity routing puts both on one slot), turns interleaved, streamed: each runs
+    on its own slot, /slots agrees, and each next turn reuses >= 90% of its previous prompt."""
+    proxy = make_proxy(big_llama)
+    system = [{"type": "text", "text": long_system_prompt(900, seed=21)}]
+    tools = HANDMADE[0]["tools"]
+    conversations: dict[str, list[dict[str, Any]]] = {"cc-session-a": [], "cc-session-b": []}
+    seen: dict[str, list[tuple[int, int, int]]] = {name: [] for name in conversations}
+    before = slot_by_id(big_llama)
+    for turn in range(3):
+        for session, messages in conversations.items():
+            messages.append({"role": "user", "content": f"({session}) turn {turn}: name a "
+                                                        f"colour and a fruit."})
+            body = {"system": system, "tools": tools, "messages": messages, "max_tokens": 6,
+                    "temperature": 0, "stream": True}
+            with post(proxy.url + "/v1/messages?beta=true", body,
+                      {"X-Claude-Code-Session-Id": session}, stream=True) as response:
+                assert response.status_code == 200
+                slot = int(response.headers["X-Slotkeeper-Slot"])
+                events = anthropic_events(response)
+            usage = events[0][1]["message"]["usage"]
+            text = "".join(d["delta"].get("text", "") for n, d in events
+                           if n == "content_block_delta")
+            assert events[-1][0] == "message_stop"
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
+            prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+            seen[session].append((slot, usage["cache_read_input_tokens"], prompt))
+            after = slot_by_id(big_llama)
+            # The server ran it on that slot: only that slot has a new task, and it holds the
+            # prompt (plus the answer). (Its per-task counts are reset when the task ends.)
+            changed = {i for i, s in after.items() if s.get("id_task") != before[i].get("id_task")}
+            assert changed == {slot}, (slot, before, after)
+            assert after[slot]["n_prompt_tokens"] >= prompt, after[slot]
+            before = after
+    slots = {name: {slot for slot, _, _ in turns} for name, turns in seen.items()}
+    assert all(len(s) == 1 for s in slots.values()), seen
+    assert slots["cc-session-a"] != slots["cc-session-b"], seen
+    for turns in seen.values():
+        for (_, _, previous), (_, reused, _) in zip(turns, turns[1:]):
+            assert reused >= 0.9 * previous, turns
+    assert "selected slot by id" in big_llama.log_text()
+
+
+@pytest.mark.parametrize(("body", "status", "kind"), [
+    # The chat parser refuses a user message without content.
+    ({"messages": [{"role": "user"}], "max_tokens": 4}, 400, "invalid_request_error"),
+    # Longer than a slot's context (16,384 tokens): refused after tokenizing, before prefill.
+    ({"system": "x", "messages": [{"role": "user", "content": "token " * 20000}],
+      "max_tokens": 4}, 400, "invalid_request_error"),
+])
+def test_server_errors_come_back_as_anthropic_errors(big_llama, make_proxy, body, status, kind):
+    """The server's error answer to the translated request becomes an Anthropic error object
+    with the same status and message as the server gives for the original."""
+    proxy = make_proxy(big_llama)
+    direct = requests.post(big_llama.url + "/v1/messages", json=body, timeout=TIMEOUT_S)
+    through = requests.post(proxy.url + "/v1/messages", json=body, timeout=TIMEOUT_S,
+                            headers={"X-Claude-Code-Session-Id": "errors"})
+    assert direct.status_code == through.status_code == status, (direct.text, through.text)
+    answer = through.json()
+    assert answer["type"] == "error"
+    assert answer["error"]["type"] == kind
+    assert answer["error"]["message"] == direct.json()["error"]["message"]
+
+
+def test_count_tokens_passes_through(big_llama, make_proxy):
+    proxy = make_proxy(big_llama)
+    body = HANDMADE[0]
+    direct = post(big_llama.url + "/v1/messages/count_tokens", body).json()
+    through = post(proxy.url + "/v1/messages/count_tokens", body)
+    assert through.json() == direct
+    assert "X-Slotkeeper-Action" not in through.headers
