@@ -19,6 +19,7 @@ from .bodies import BodyError, BodyRefused, BodyTooLarge, SseTimingsWatcher, Tim
 from .contentview import MitmwebView, outcome_words
 from .identity import Identity, IdentityConfig, identify
 from .locks import SlotLocks
+from .ollama_surface import OllamaSurface
 from .router import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, UNPINNED, Route,
                      Router, RouterConfig)
 from .slotfiles import SlotFolder
@@ -463,4 +464,7 @@ def error_response(status: int, message: str) -> http.Response:
 def make_addons() -> list:
     """Fresh addon objects: the entry script calls this each time mitmproxy (re)loads it."""
     keeper = SlotKeeper()
-    return [keeper, SessionApi(keeper), metrics.MetricsEndpoint(keeper), MitmwebView()]
+    # The Ollama surface comes first: it rewrites /api/chat and /api/generate into completion
+    # requests before SlotKeeper routes them.
+    return [OllamaSurface(), keeper, SessionApi(keeper), metrics.MetricsEndpoint(keeper),
+            MitmwebView()]
