@@ -219,17 +219,23 @@ def test_stream_native_generate_and_errors():
 
 
 def test_listings_from_v1_models_and_props():
-    models = {"data": [{"id": "gemma-3-270m-q4_k_m.gguf", "created": 1700000000,
-                        "meta": {"n_params": 268_000_000, "size": 253_000_000,
-                                 "n_ctx_train": 32768}}]}
+    # as b11434 answers (abridged)
+    models = {"data": [{"id": "/models/gemma-3-270m-q4_k_m.gguf", "created": 1700000000,
+                        "meta": {"n_params": 268_098_176, "size": 253_000_000,
+                                 "n_ctx": 4096, "n_ctx_train": 32768,
+                                 "ftype": "Q4_K - Medium"}}]}
     tags = ollama.tags_answer(models)["models"][0]
-    assert tags["name"] == tags["model"] == "gemma-3-270m-q4_k_m.gguf:latest"
+    assert tags["name"] == tags["model"] == "gemma-3-270m-q4_k_m:latest"
     assert tags["details"]["quantization_level"] == "Q4_K_M"
     assert tags["details"]["parameter_size"] == "268M" and tags["size"] == 253_000_000
     ps = ollama.ps_answer(models)["models"][0]
-    assert ps["context_length"] == 32768 and ps["expires_at"].startswith("2318")
+    assert ps["context_length"] == 4096 and ps["expires_at"].startswith("2318")
     show = ollama.show_answer({"chat_template": "{{ tools }}", "model_path": "/x/m.gguf",
+                               "model_ftype": "Q4_K - Medium",
+                               "chat_template_caps": {"supports_tools": True},
                                "default_generation_settings": {"n_ctx": 4096}}, "m:latest")
+    assert show["details"]["quantization_level"] == "Q4_K_M"
+    assert ollama.display_name("alias:7b") == "alias:7b"
     assert "tools" in show["capabilities"] and show["parameters"] == "num_ctx 4096"
     info = show["model_info"]
     assert info[f"{info['general.architecture']}.context_length"] == 4096

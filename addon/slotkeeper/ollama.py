@@ -713,10 +713,22 @@ def _parameter_size(n_params: Any) -> str:
 
 
 def _details(model_id: str, meta: dict[str, Any], family: str = "") -> dict[str, Any]:
+    ftype = meta.get("ftype") if isinstance(meta.get("ftype"), str) else ""
     return {"parent_model": "", "format": "gguf", "family": family,
             "families": [family] if family else None,
             "parameter_size": _parameter_size(meta.get("n_params")),
-            "quantization_level": _quantization(model_id)}
+            # "Q4_K - Medium" (llama-server's ftype) -> "Q4_K_M" (Ollama's spelling)
+            "quantization_level": _quantization(model_id) or _quantization(
+                ftype.replace(" - Small", "_S").replace(" - Medium", "_M")
+                .replace(" - Large", "_L"))}
+
+
+def display_name(model_id: str) -> str:
+    """llama-server names a model by its file path unless started with --alias: Ollama
+    clients get the file name without `.gguf`, tagged (`gemma-3-270m-q4_k_m:latest`).
+    llama-server serves its one model whatever name a request gives."""
+    base = model_id.replace("\\", "/").rsplit("/", 1)[-1]
+    return tagged(base[:-len(".gguf")] if base.lower().endswith(".gguf") else base)
 
 
 def _digest(model_id: str) -> str:
@@ -743,7 +755,7 @@ def _iso(timestamp: int) -> str:
 
 def tags_answer(models: Any) -> dict[str, Any]:
     """GET /api/tags from GET /v1/models."""
-    return {"models": [{"name": tagged(model_id), "model": tagged(model_id),
+    return {"models": [{"name": display_name(model_id), "model": display_name(model_id),
                         "modified_at": _iso(created), "size": int(meta.get("size", 0) or 0),
                         "digest": _digest(model_id), "details": _details(model_id, meta)}
                        for model_id, meta, created in _models(models)]}
@@ -752,11 +764,13 @@ def tags_answer(models: Any) -> dict[str, Any]:
 def ps_answer(models: Any) -> dict[str, Any]:
     """GET /api/ps from GET /v1/models: the model is always loaded while llama-server runs."""
     never = "2318-01-01T00:00:00Z"  # Ollama's "kept loaded for ever" (keep_alive < 0)
-    return {"models": [{"name": tagged(model_id), "model": tagged(model_id),
+    return {"models": [{"name": display_name(model_id), "model": display_name(model_id),
                         "size": int(meta.get("size", 0) or 0), "digest": _digest(model_id),
                         "details": _details(model_id, meta), "expires_at": never,
                         "size_vram": 0,
-                        "context_length": int(meta.get("n_ctx_train", 0) or 0)}
+                        # the context each slot has (n_ctx), else what the model was trained on
+                        "context_length": int(meta.get("n_ctx") or meta.get("n_ctx_train")
+                                              or 0)}
                        for model_id, meta, _ in _models(models)]}
 
 
@@ -770,19 +784,21 @@ def show_answer(props: Any, requested: str) -> dict[str, Any]:
     n_ctx = int(settings.get("n_ctx", 0) or 0)
     path = props.get("model_path") if isinstance(props.get("model_path"), str) else ""
     modalities = props.get("modalities") if isinstance(props.get("modalities"), dict) else {}
+    caps = props.get("chat_template_caps") if isinstance(props.get("chat_template_caps"),
+                                                         dict) else {}
     capabilities = ["completion"]
-    if "tools" in template:
+    if caps.get("supports_tools") or caps.get("supports_tool_calls"):
         capabilities.append("tools")
     if modalities.get("vision"):
         capabilities.append("vision")
-    if "enable_thinking" in template or "reasoning" in template:
+    if "enable_thinking" in template or caps.get("supports_reasoning_effort"):
         capabilities.append("thinking")
     return {
         "license": "",
         "modelfile": f"# served by llama-server through slotkeeper\nFROM {path}\n",
         "parameters": f"num_ctx {n_ctx}" if n_ctx else "",
         "template": template,
-        "details": _details(path or requested, {}),
+        "details": _details(path or requested, {"ftype": props.get("model_ftype")}),
         # Clients read "<general.architecture>.context_length"; the real architecture is not in
         # /props, so the key names this surface and still leads to the served context size.
         "model_info": {"general.architecture": "slotkeeper",
