@@ -42,9 +42,9 @@ def slots(server: LlamaServer) -> list[dict[str, Any]]:
     return requests.get(server.url + "/slots", timeout=10).json()
 
 
-def prompt_tokens(server: LlamaServer, messages: list[dict[str, Any]]) -> int:
+def prompt_tokens(server: LlamaServer, messages: list[dict[str, Any]], **extra: Any) -> int:
     """How many tokens the server's template makes of `messages` (its own count)."""
-    text = requests.post(server.url + "/apply-template", json={"messages": messages},
+    text = requests.post(server.url + "/apply-template", json={"messages": messages, **extra},
                          timeout=30).json()["prompt"]
     return len(requests.post(server.url + "/tokenize", json={"content": text,
                                                             "add_special": True,
@@ -122,8 +122,10 @@ def test_ollama_client_chat_generate_embed_and_listings(make_llama, make_proxy):
 
 def test_tools_and_tool_results_reach_the_template(make_llama, make_proxy):
     """Ollama's tool calls (arguments as an object) and tool results are converted to the
-    server's form: the slot's prompt text (from /slots) shows them rendered. gemma-3-270m
-    is too small to call tools itself; the answer direction is covered in test_ollama.py."""
+    server's form: the server prefilled exactly as many tokens as its template makes of the
+    same conversation written in OpenAI's form by hand (a fresh server: nothing cached), and
+    that is more than without the tool turns. gemma-3-270m is too small to call tools itself;
+    the answer direction is covered in test_ollama.py."""
     server, proxy = ollama_proxy(make_llama, make_proxy)
     tools = [{"type": "function", "function": {
         "name": "get_weather", "description": "The weather of a city",
@@ -137,10 +139,14 @@ def test_tools_and_tool_results_reach_the_template(make_llama, make_proxy):
                 {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
             {"role": "tool", "content": "sunny, 21 C", "tool_name": "get_weather"}])
     assert answer.done
-    prompts = [s.get("prompt", "") for s in slots(server)]
-    rendered = next(p for p in prompts if "Tool result: sunny, 21 C" in p)
-    assert '"arguments": {"city": "Paris"}' in rendered or \
-        '"arguments": "{\\"city\\": \\"Paris\\"}"' in rendered
+    by_hand = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "x", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "x", "content": "sunny, 21 C"}]
+    expected = prompt_tokens(server, by_hand, tools=tools)
+    assert answer.prompt_eval_count == expected
+    assert expected > prompt_tokens(server, by_hand[:1], tools=tools) + 15
 
 
 def test_bad_requests_get_ollama_errors(make_llama, make_proxy):
@@ -231,7 +237,7 @@ def test_openwebui_request_sequence_replayed(make_llama, make_proxy):
         owned = r.headers["X-Slotkeeper-Slot"]
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert lines[-1]["done"] and not any(line["done"] for line in lines[:-1])
-    title = {"model": model, "stream": False, "messages": [
+    title = {"model": model, "stream": False, "options": {"num_predict": 5}, "messages": [
         {"role": "user", "content": "Create a concise title for: Hello!"}]}
     r = requests.post(proxy.url + "/api/chat", data=json.dumps(title), headers=chat,
                       timeout=TIMEOUT)
