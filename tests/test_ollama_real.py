@@ -284,3 +284,26 @@ def test_main_port_and_ollama_port_in_one_mitmdump(make_llama, tmp_path):
         assert actions[1] <= 2  # the second port's request found the first one's slot
     finally:
         end_process(proc, signal.SIGINT)
+
+
+def test_embeddings_between_turns_keep_the_session_cache(make_llama, make_proxy):
+    """Embedding requests are not routed (the server places them): on a 2-slot server they run
+    in both slots (/slots says so), yet the chat's next turn still prefills only its new
+    tokens (measured: 16 after 425 at the first turn)."""
+    server = make_llama(np=2, ctx=8192, extra=SERVER_FLAGS)
+    proxy = make_proxy(server)
+    c = client(proxy, **{"X-Session-Id": "embed-and-chat"})
+    messages = [{"role": "system", "content": long_system_prompt(400, seed=1)}]
+    prefilled = []
+    for turn, question in enumerate(["Name a colour.", "And an animal?", "Where?"]):
+        messages.append({"role": "user", "content": question})
+        reply = c.chat(model="m", messages=messages, stream=False,
+                       options={"num_predict": 6, "temperature": 0})
+        messages.append({"role": "assistant", "content": reply.message.content})
+        prefilled.append(reply.prompt_eval_count)
+        if turn == 1:
+            for i in range(4):
+                assert c.embed(model="m", input=[f"text number {i} " * 20]).embeddings
+            embed_tokens = {s.get("n_prompt_tokens") for s in slots(server)}
+            assert len(embed_tokens) == 1 and embed_tokens != {prefilled[0]}
+    assert prefilled[0] > 300 and prefilled[2] < 40, prefilled
