@@ -89,6 +89,13 @@ def test_bad_chat_requests_are_clear_400s(body, message):
     assert e.value.status == 400 and message in e.value.message
 
 
+def test_session_fields_of_the_body_are_passed_on_for_identity():
+    chat = ollama.chat_request({"model": "m", "messages": [], "chat_id": "c-1", "user": 5})
+    assert chat.body["chat_id"] == "c-1" and "user" not in chat.body
+    gen = ollama.generate_request({"model": "m", "prompt": "x", "session_id": "s-1"})
+    assert gen.body["session_id"] == "s-1"
+
+
 def test_generate_plain_goes_to_chat_with_system():
     mapped = ollama.generate_request({"model": "m", "prompt": "hi", "system": "S",
                                       "stream": False})

@@ -285,8 +285,15 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+# Not Ollama's, but some clients add them: passed on so that SlotKeeper's body rule can name the
+# session from them (identity.py reads the rewritten request). llama-server ignores them.
+SESSION_FIELDS = ("session_id", "conversation_id", "chat_id", "prompt_cache_key", "user")
+
+
 def _common(body: dict[str, Any], predict_field: str) -> tuple[dict[str, Any], list[str]]:
     fields, ignored = map_options(body.get("options"), predict_field)
+    fields.update({name: body[name] for name in SESSION_FIELDS
+                   if isinstance(body.get(name), str) and body[name]})
     for name in ("keep_alive", "logprobs", "top_logprobs", "template", "truncate",
                  "dimensions"):
         if body.get(name) is not None:
@@ -392,7 +399,8 @@ def generate_request(body: Any, tokens: Callable[[str, bool], list[int]] | None 
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": prompt, "images": body.get("images")})
     mapped = chat_request({**{k: v for k, v in body.items()
-                              if k in ("options", "format", "think", "keep_alive", "stream")},
+                              if k in ("options", "format", "think", "keep_alive", "stream",
+                                       *SESSION_FIELDS)},
                            "model": model, "messages": messages})
     mapped.kind = GENERATE_CHAT
     return mapped
