@@ -254,8 +254,10 @@ def tokenize(url: str, text: str, add_special: bool) -> list[int]:
         raise OllamaError(502, f"llama-server did not tokenize the prompt: {e}") from None
     if r.status_code != 200:
         raise OllamaError(r.status_code, ollama.upstream_error(r.status_code, r.content))
-    tokens = r.json().get("tokens") if r.headers.get("content-type", "").startswith(
-        "application/json") else None
+    try:
+        tokens = r.json().get("tokens")
+    except (ValueError, AttributeError):
+        tokens = None
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
         raise OllamaError(502, "llama-server's /tokenize answer has no token list")
     return tokens
