@@ -77,7 +77,8 @@ def test_dry_run_puts_conf_options_first_and_user_args_last(tmp_path: Path) -> N
     conf_part = cmd[1:-len(user)]
     assert cmd[-len(user):] == user
     assert pairs(conf_part, "-s") == [str(REPO / "addon" / "slotkeeper_addon.py")]
-    assert pairs(conf_part, "--mode") == ["reverse:http://127.0.0.1:8080"]
+    assert pairs(conf_part, "--mode") == ["reverse:http://127.0.0.1:8080",
+                                          "reverse:http://127.0.0.1:8080@11434"]
     sets = pairs(conf_part, "--set")
     for expected in ("connection_strategy=lazy", "tcp_timeout=3600", "store_streamed_bodies=true",
                      "slotkeeper_small_request_chars=2000", "slotkeeper_state_file="):
@@ -86,6 +87,22 @@ def test_dry_run_puts_conf_options_first_and_user_args_last(tmp_path: Path) -> N
     assert not [s for s in sets if s.startswith(("slotkeeper_ttl=", "listen_port="))]
     # An empty list is `--set name` alone, which mitmproxy reads as [].
     assert "slotkeeper_session_headers" in sets
+
+
+def test_dry_run_two_ports_to_one_server_still_plan_a_local_server(tmp_path: Path) -> None:
+    """mitm.conf's main port plus Ollama's port in front of one upstream: one server."""
+    port, ollama_port = free_port(), free_port()
+    conf = tmp_path / "mitm.conf"
+    conf.write_text(f'mode: ["reverse:http://127.0.0.1:{port}", '
+                    f'"reverse:http://127.0.0.1:{port}@{ollama_port}"]\n')
+    server, proxy = dry_run("--conf", str(conf), env={"XDG_STATE_HOME": str(tmp_path / "st")})
+    assert server[server.index("--port") + 1] == str(port)
+    assert pairs(proxy, "--mode") == [f"reverse:http://127.0.0.1:{port}",
+                                      f"reverse:http://127.0.0.1:{port}@{ollama_port}"]
+    # Two different upstreams are the user's own setup: no server is started for them.
+    conf.write_text(f'mode: ["reverse:http://127.0.0.1:{port}", '
+                    f'"reverse:http://127.0.0.1:{free_port()}@{ollama_port}"]\n')
+    assert len(dry_run("--conf", str(conf))) == 1
 
 
 def test_dry_run_user_mode_replaces_the_conf_mode_and_starts_no_server() -> None:

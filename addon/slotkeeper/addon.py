@@ -20,6 +20,7 @@ from .contentview import MitmwebView, flow_comment
 from .identity import Identity, IdentityConfig, identify
 from .locks import SlotLocks
 from .messages import AnthropicMessages
+from .ollama_surface import OllamaSurface
 from .router import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, UNPINNED, Route,
                      Router, RouterConfig)
 from .slotfiles import SlotFolder
@@ -345,8 +346,9 @@ class SlotKeeper:
         if streamed and translation is not None and flow.response.status_code == 200:
             # The watcher reads llama-server's own events; the client gets its API's.
             read = flow.response.stream if callable(flow.response.stream) else None
-            flow.response.stream = (translation.stream if read is None
-                                    else lambda chunk: translation.stream(read(chunk)))
+            flow.response.stream = _without_empty_chunks(
+                translation.stream if read is None
+                else lambda chunk: translation.stream(read(chunk)))
             translation.response_headers(flow.response)
 
     async def response(self, flow: http.HTTPFlow) -> None:
@@ -493,6 +495,18 @@ class _WhenAwaited:
         return self._make().__await__()
 
 
+def _without_empty_chunks(stream: Callable[[bytes], bytes]) -> Callable[[bytes], list[bytes]]:
+    """A translation often has nothing to send for a chunk (half an event, an event the client
+    API has no counterpart for). mitmproxy sends each returned bytes as one HTTP/1 chunk, and
+    an empty one is the chunked terminator `0\r\n\r\n`: the client would see the body end
+    there (measured: the Ollama client then read the real terminator as the next status
+    line). An empty list sends nothing."""
+    def send(chunk: bytes) -> list[bytes]:
+        out = stream(chunk)
+        return [out] if out else []
+    return send
+
+
 def _logged(func, *args) -> None:
     try:
         func(*args)
@@ -544,5 +558,6 @@ def make_addons() -> list:
     """Fresh addon objects: the entry script calls this each time mitmproxy (re)loads it."""
     keeper = SlotKeeper()
     # Surfaces that rewrite a request into llama-server's own API come first (translation.py).
-    return [AnthropicMessages(keeper), keeper, SessionApi(keeper), metrics.MetricsEndpoint(keeper),
+    return [OllamaSurface(), AnthropicMessages(keeper), keeper, SessionApi(keeper),
+            metrics.MetricsEndpoint(keeper),
             MitmwebView()]

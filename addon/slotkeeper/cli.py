@@ -364,13 +364,17 @@ def local_server_wanted(conf: Mapping[str, Scalar | list[Scalar]], user: UserOpt
     from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
     modes = conf_modes(conf)
-    if "mode" in user.names or len(modes) != 1:
+    if "mode" in user.names or not modes:
         return None
     try:
-        mode = ProxyMode.parse(modes[0])
+        parsed = [ProxyMode.parse(m) for m in modes]
     except ValueError:
         return None  # mitmdump reports a bad mode itself
-    if not isinstance(mode, ReverseMode) or mode.scheme != "http":
+    mode = parsed[0]
+    # Several listening ports in front of one server (the main port and Ollama's 11434) are
+    # one upstream; modes to different upstreams are the user's own setup.
+    if not all(isinstance(m, ReverseMode) and (m.scheme, m.address) == ("http", mode.address)
+               for m in parsed):
         return None
     host, port = mode.address
     if host not in LOOPBACK_HOSTS or answers(f"http://{host}:{port}/health"):

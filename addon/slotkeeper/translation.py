@@ -25,7 +25,8 @@ class Translation(Protocol):
 
     def stream(self, chunk: bytes) -> bytes:
         """A streamed answer: each chunk of llama-server's SSE stream, as it arrives, and b""
-        once at its end; returns what the client gets for it (may be b"")."""
+        once at its end; returns what the client gets for it (may be b"": SlotKeeper then
+        sends nothing, never an empty HTTP chunk)."""
 
     def whole(self, response: http.Response) -> None:
         """A non-streamed answer (or an error): rewrite `response` in place."""

@@ -1,0 +1,265 @@
+"""The Ollama translation (addon/slotkeeper/ollama.py): requests to llama-server's routes and
+answers back, without any server. The real-server tests are in test_ollama_real.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slotkeeper import ollama
+from slotkeeper.ollama import (CHAT, GENERATE_CHAT, GENERATE_INFILL, GENERATE_RAW,
+                               AnswerShaper, OllamaError, StreamTranslator)
+
+PNG_B64 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+
+
+def test_chat_maps_options_format_think_and_images():
+    mapped = ollama.chat_request({
+        "model": "gemma:latest",
+        "messages": [{"role": "system", "content": "S"},
+                     {"role": "user", "content": "look", "images": [PNG_B64]}],
+        "options": {"temperature": 0, "top_k": 5, "num_predict": 7, "seed": 3,
+                    "stop": ["x"], "repeat_penalty": 1.1, "num_ctx": 8192, "weird": 1},
+        "format": {"type": "object"},
+        "think": False,
+        "stream": False,
+    })
+    assert mapped.path == "/v1/chat/completions" and mapped.kind == CHAT
+    body = mapped.body
+    assert body["model"] == "gemma" and body["stream"] is False
+    assert body["temperature"] == 0 and body["top_k"] == 5 and body["max_tokens"] == 7
+    assert body["seed"] == 3 and body["stop"] == ["x"] and body["repeat_penalty"] == 1.1
+    assert "num_ctx" not in body and "weird" not in body
+    assert mapped.ignored == ["num_ctx", "weird (unknown)"]
+    assert body["response_format"] == {"type": "json_schema",
+                                       "json_schema": {"name": "format",
+                                                       "schema": {"type": "object"}}}
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+    parts = body["messages"][1]["content"]
+    assert parts[0] == {"type": "text", "text": "look"}
+    assert parts[1]["image_url"]["url"].startswith("data:image/png;base64,iVBOR")
+
+
+def test_chat_streams_by_default_and_json_format():
+    mapped = ollama.chat_request({"model": "m", "messages": [], "format": "json"})
+    assert mapped.stream and mapped.body["stream"] is True
+    assert mapped.body["response_format"] == {"type": "json_object"}
+
+
+def test_num_predict_negative_means_no_limit():
+    for n in (-1, -2):
+        fields, _ = ollama.map_options({"num_predict": n}, "max_tokens")
+        assert "max_tokens" not in fields
+    with pytest.raises(OllamaError):
+        ollama.map_options({"num_predict": -3}, "max_tokens")
+
+
+def test_tool_history_is_converted_both_ways():
+    mapped = ollama.chat_request({"model": "m", "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_name": "get_weather"},
+    ], "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]})
+    assistant, tool = mapped.body["messages"][1:]
+    call = assistant["tool_calls"][0]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert tool["tool_call_id"] == call["id"] and tool["name"] == "get_weather"
+    assert mapped.body["tools"][0]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.parametrize("body, message", [
+    ([], "request body must be a JSON object"),
+    ({"messages": []}, "model is required"),
+    ({"model": "m", "messages": "hi"}, "messages must be a list"),
+    ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "message role"),
+    ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "content must be a string"),
+    ({"model": "m", "messages": [], "options": {"temperature": "hot"}}, "option temperature"),
+    ({"model": "m", "messages": [], "options": {"top_k": 1.5}}, "option top_k"),
+    ({"model": "m", "messages": [], "options": []}, "options must be an object"),
+    ({"model": "m", "messages": [], "format": "yaml"}, "format must be"),
+    ({"model": "m", "messages": [], "think": "max"}, "think must be"),
+    ({"model": "m", "messages": [], "stream": "yes"}, "stream must be"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x", "images": [5]}]}, "images"),
+])
+def test_bad_chat_requests_are_clear_400s(body, message):
+    with pytest.raises(OllamaError) as e:
+        ollama.chat_request(body)
+    assert e.value.status == 400 and message in e.value.message
+
+
+def test_session_fields_of_the_body_are_passed_on_for_identity():
+    chat = ollama.chat_request({"model": "m", "messages": [], "chat_id": "c-1", "user": 5})
+    assert chat.body["chat_id"] == "c-1" and "user" not in chat.body
+    gen = ollama.generate_request({"model": "m", "prompt": "x", "session_id": "s-1"})
+    assert gen.body["session_id"] == "s-1"
+
+
+def test_generate_plain_goes_to_chat_with_system():
+    mapped = ollama.generate_request({"model": "m", "prompt": "hi", "system": "S",
+                                      "stream": False})
+    assert mapped.path == "/v1/chat/completions" and mapped.kind == GENERATE_CHAT
+    assert [m["role"] for m in mapped.body["messages"]] == ["system", "user"]
+    assert mapped.body["messages"][1]["content"] == "hi"
+
+
+def test_generate_raw_and_context_send_tokens_to_completion():
+    calls = []
+
+    def tokens(text, special):
+        calls.append((text, special))
+        return [7, 8]
+
+    raw = ollama.generate_request({"model": "m", "prompt": "<x>", "raw": True,
+                                   "options": {"num_predict": 4}}, tokens)
+    assert raw.path == "/completion" and raw.kind == GENERATE_RAW
+    assert raw.body["prompt"] == [7, 8] and raw.body["n_predict"] == 4
+    assert raw.body["return_tokens"] is True
+    cont = ollama.generate_request({"model": "m", "prompt": "more", "context": [1, 2, 3]},
+                                   tokens)
+    assert cont.body["prompt"] == [1, 2, 3, 7, 8] and cont.context == [1, 2, 3, 7, 8]
+    assert calls == [("<x>", True), ("more", False)]  # no second BOS after a context
+    with pytest.raises(OllamaError):
+        ollama.generate_request({"model": "m", "prompt": "x", "context": [1, "a"]}, tokens)
+
+
+def test_generate_suffix_goes_to_infill():
+    mapped = ollama.generate_request({"model": "m", "prompt": "def f(", "suffix": "return 1"})
+    assert mapped.path == "/infill" and mapped.kind == GENERATE_INFILL
+    assert mapped.body["input_prefix"] == "def f(" and mapped.body["input_suffix"] == "return 1"
+
+
+def test_unload_and_load_are_answered_without_the_server():
+    body = {"model": "m:latest", "keep_alive": 0, "prompt": ""}
+    assert ollama.is_load_or_unload(body, "/api/generate")
+    assert ollama.load_answer(body, "/api/generate")["done_reason"] == "unload"
+    assert ollama.load_answer({"model": "m"}, "/api/chat")["done_reason"] == "load"
+    assert not ollama.is_load_or_unload({"model": "m", "prompt": "hi"}, "/api/generate")
+    assert ollama.is_load_or_unload({"model": "m", "messages": []}, "/api/chat")
+
+
+TIMINGS = {"cache_n": 100, "prompt_n": 12, "prompt_ms": 80.5, "predicted_n": 3,
+           "predicted_ms": 30.0}
+
+
+def test_whole_chat_answer():
+    shaper = AnswerShaper(ollama.chat_request({"model": "m:latest", "messages": []}))
+    out = shaper.whole({"choices": [{"finish_reason": "tool_calls", "message": {
+        "content": "ok", "reasoning_content": "hmm", "tool_calls": [
+            {"id": "c1", "function": {"name": "f", "arguments": '{"a": 1}'}}]}}],
+        "timings": TIMINGS})
+    assert out["model"] == "m:latest" and out["done"] is True and out["done_reason"] == "stop"
+    assert out["message"]["content"] == "ok" and out["message"]["thinking"] == "hmm"
+    assert out["message"]["tool_calls"] == [
+        {"function": {"index": 0, "name": "f", "arguments": {"a": 1}}, "id": "c1"}]
+    assert out["prompt_eval_count"] == 12 and out["eval_count"] == 3
+    assert out["prompt_eval_duration"] == 80_500_000 and out["eval_duration"] == 30_000_000
+    assert out["load_duration"] == 0 and out["total_duration"] >= 0
+
+
+def test_whole_raw_generate_returns_context():
+    mapped = ollama.generate_request({"model": "m", "prompt": "x", "raw": True},
+                                     lambda text, special: [5])
+    out = AnswerShaper(mapped).whole({"content": "y", "tokens": [9, 10], "stop": True,
+                                      "stop_type": "limit", "timings": TIMINGS})
+    assert out["response"] == "y" and out["done_reason"] == "length"
+    assert out["context"] == [5, 9, 10]
+
+
+def sse(*events: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+
+
+def lines(raw: bytes) -> list[dict]:
+    return [json.loads(line) for line in raw.splitlines() if line]
+
+
+def test_stream_chat_line_by_line_even_split_mid_event():
+    shaper = AnswerShaper(ollama.chat_request({"model": "m", "messages": []}))
+    translator = StreamTranslator(shaper)
+    data = sse({"choices": [{"delta": {"role": "assistant", "content": None}}]},
+               {"choices": [{"delta": {"content": "Hel"}}]},
+               {"choices": [{"delta": {"content": "lo"}}]},
+               {"choices": [{"delta": {}, "finish_reason": "stop"}]},
+               {"choices": [], "usage": {}, "timings": TIMINGS}) + b"data: [DONE]\n\n"
+    out = b""
+    first = translator.feed(data[:70])  # mid-event: nothing half-sent
+    assert all(line.startswith(b"{") for line in first.splitlines())
+    out += first + translator.feed(data[70:]) + translator.feed(b"")
+    objs = lines(out)
+    assert [o["message"]["content"] for o in objs] == ["Hel", "lo", ""]
+    assert [o["done"] for o in objs] == [False, False, True]
+    assert objs[-1]["done_reason"] == "stop" and objs[-1]["prompt_eval_count"] == 12
+
+
+def test_stream_tool_call_fragments_are_sent_whole():
+    shaper = AnswerShaper(ollama.chat_request({"model": "m", "messages": []}))
+    translator = StreamTranslator(shaper)
+    out = translator.feed(sse(
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "c", "function": {
+            "name": "get_weather", "arguments": '{"ci'}}]}}]},
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {
+            "arguments": 'ty": "Paris"}'}}]}}]},
+        {"choices": [{"delta": {}, "finish_reason": "tool_calls"}], "timings": TIMINGS}))
+    objs = lines(out)
+    assert objs[0]["message"]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert objs[-1]["done"] is True
+    assert translator.feed(b"data: [DONE]\n\n") + translator.feed(b"") == b""
+
+
+def test_stream_native_generate_and_errors():
+    mapped = ollama.generate_request({"model": "m", "prompt": "x", "raw": True},
+                                     lambda text, special: [1])
+    translator = StreamTranslator(AnswerShaper(mapped))
+    out = translator.feed(sse({"content": "a", "tokens": [4], "stop": False},
+                              {"content": "", "tokens": [], "stop": True, "stop_type": "eos",
+                               "timings": TIMINGS}))
+    objs = lines(out)
+    assert objs[0]["response"] == "a" and objs[-1]["context"] == [1, 4]
+    broken = StreamTranslator(AnswerShaper(mapped))
+    assert lines(broken.feed(b'data: {"error": {"message": "boom"}}\n\n')) == [
+        {"error": "boom"}]
+    cut = StreamTranslator(AnswerShaper(mapped))
+    cut.feed(sse({"content": "a", "stop": False}))
+    assert "error" in lines(cut.feed(b""))[0]
+
+
+def test_listings_from_v1_models_and_props():
+    # as b11434 answers (abridged)
+    models = {"data": [{"id": "/models/gemma-3-270m-q4_k_m.gguf", "created": 1700000000,
+                        "meta": {"n_params": 268_098_176, "size": 253_000_000,
+                                 "n_ctx": 4096, "n_ctx_train": 32768,
+                                 "ftype": "Q4_K - Medium"}}]}
+    tags = ollama.tags_answer(models)["models"][0]
+    assert tags["name"] == tags["model"] == "gemma-3-270m-q4_k_m:latest"
+    assert tags["details"]["quantization_level"] == "Q4_K_M"
+    assert tags["details"]["parameter_size"] == "268M" and tags["size"] == 253_000_000
+    ps = ollama.ps_answer(models)["models"][0]
+    assert ps["context_length"] == 4096 and ps["expires_at"].startswith("2318")
+    show = ollama.show_answer({"chat_template": "{{ tools }}", "model_path": "/x/m.gguf",
+                               "model_ftype": "Q4_K - Medium",
+                               "chat_template_caps": {"supports_tools": True},
+                               "default_generation_settings": {"n_ctx": 4096}}, "m:latest")
+    assert show["details"]["quantization_level"] == "Q4_K_M"
+    assert ollama.display_name("alias:7b") == "alias:7b"
+    assert "tools" in show["capabilities"] and show["parameters"] == "num_ctx 4096"
+    info = show["model_info"]
+    assert info[f"{info['general.architecture']}.context_length"] == 4096
+
+
+def test_embed_answers():
+    mapped = ollama.embed_request({"model": "m", "input": "a"}, legacy=False)
+    assert mapped.body["input"] == ["a"] and mapped.path == "/v1/embeddings"
+    data = {"data": [{"index": 1, "embedding": [0.2]}, {"index": 0, "embedding": [0.1]}],
+            "usage": {"prompt_tokens": 4}}
+    out = AnswerShaper(mapped).embeddings(data, legacy=False)
+    assert out["embeddings"] == [[0.1], [0.2]] and out["prompt_eval_count"] == 4
+    assert AnswerShaper(mapped).embeddings(data, legacy=True) == {"embedding": [0.1]}
+    with pytest.raises(OllamaError):
+        ollama.embed_request({"model": "m", "input": [1]}, legacy=False)
+
+
+def test_upstream_error_message():
+    assert ollama.upstream_error(400, b'{"error": {"code": 400, "message": "bad"}}') == "bad"
+    assert ollama.upstream_error(502, b"<html>Bad Gateway</html>") == "<html>Bad Gateway</html>"
