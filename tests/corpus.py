@@ -21,6 +21,7 @@ HOME = "/home/user"
 PROJECT = "/home/user/project"
 PROXY = "http://127.0.0.1:8000"
 HOST = "127.0.0.1:8000"
+CLIENTS_CACHE = "/home/user/.cache/slotkeeper/clients"
 
 
 def scrub(text: str, replacements: list[tuple[str, str]]) -> str:
@@ -35,8 +36,12 @@ def write_corpus(out: Path, conformance: Any, work: Path) -> None:
     for flow in conformance.flows:
         agent = conformance.agents[flow.client]
         host = agent.proxy_url.removeprefix("http://")
+        clients_cache = agent.executable.parents[3]  # <cache>/clients/<name>-<version>/...
         replacements = [(str(agent.project), PROJECT), (str(agent.home), HOME),
+                        # Claude Code names its project folder after the path
+                        (str(agent.project).replace("/", "-"), PROJECT.replace("/", "-")),
                         (str(agent.root), HOME), (str(work), "/tmp/slotkeeper-test"),
+                        (str(clients_cache), CLIENTS_CACHE),
                         (agent.proxy_url, PROXY), (host, HOST)]
         headers = [[name, "<removed>" if name.lower() in SECRET_HEADERS
                     else scrub(value, replacements)]
