@@ -72,10 +72,26 @@ class Flow:
     def summary(self) -> dict[str, Any]:
         return self.record.get("slotkeeper") or {}
 
-    def __getattr__(self, name: str) -> Any:  # session, slot, action, reused, prefilled
-        if name in ("session", "slot", "action", "reused", "prefilled", "rule"):
-            return self.summary.get(name)
-        raise AttributeError(name)
+    # slotkeeper's decision, and the server's timings as slotkeeper read them
+    @property
+    def session(self) -> str | None:
+        return self.summary.get("session")
+
+    @property
+    def slot(self) -> int | None:
+        return self.summary.get("slot")
+
+    @property
+    def action(self) -> str | None:
+        return self.summary.get("action")
+
+    @property
+    def reused(self) -> int | None:
+        return self.summary.get("reused")
+
+    @property
+    def prefilled(self) -> int | None:
+        return self.summary.get("prefilled")
 
     def describe(self) -> str:
         return (f"{self.client}/{self.phase} {self.record['path']} -> "
