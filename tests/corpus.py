@@ -12,6 +12,7 @@ ports (replaced by fixed placeholders), so the files are the same on every machi
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,17 @@ HOST = "127.0.0.1:8000"
 CLIENTS_CACHE = "/home/user/.cache/slotkeeper/clients"
 
 
+# What the exact replacements cannot catch: the upstream's port (mitmproxy's reverse mode
+# sends the upstream's Host), and paths the model echoed cut off mid-way.
+PATTERNS = ((re.compile(r"127\.0\.0\.1:\d+"), HOST),
+            (re.compile(r"/tmp/pytest-of-[\w.-]*(/[\w.-]*)*"), "/tmp/slotkeeper-test"))
+
+
 def scrub(text: str, replacements: list[tuple[str, str]]) -> str:
     for old, new in replacements:
         text = text.replace(old, new)
+    for pattern, new in PATTERNS:
+        text = pattern.sub(new, text)
     return text
 
 

@@ -126,9 +126,15 @@ class Conformance:
         assert flow.prefilled is not None, (
             f"{flow.describe()}: the response carried no timings, so nothing shows which slot "
             f"really ran it")
-        candidates = [t for t in self.tasks if t.prompt_evaluated == flow.prefilled]
+        # The task computed the prompt tokens the response reported, and the slot held the
+        # whole prompt plus at most the capped answer when it was released: a short
+        # continuation ("Now say goodbye.") computes the same few tokens in every client.
+        prompt = flow.reused + flow.prefilled
+        candidates = [t for t in self.tasks if t.prompt_evaluated == flow.prefilled
+                      and t.tokens_at_release is not None
+                      and 0 <= t.tokens_at_release - prompt <= OUTPUT_TOKENS]
         assert candidates, f"{flow.describe()}: no task in the server log computed " \
-                           f"{flow.prefilled} prompt tokens"
+                           f"{flow.prefilled} of {prompt} prompt tokens"
         on_slot = [t for t in candidates if t.slot == flow.slot]
         assert on_slot, (f"{flow.describe()}: llama-server ran it on slot(s) "
                          f"{sorted({t.slot for t in candidates})}, not slot {flow.slot} "
