@@ -7,6 +7,11 @@ conversation), "next" (the same conversation continued) or "new" (another new co
 `kind` is "main" (the conversation itself: it carries tools) or "side" (a title or similar).
 Removed on writing: credentials (replaced by "<removed>"), and the run's temporary paths and
 ports (replaced by fixed placeholders), so the files are the same on every machine.
+
+Of Claude Code's requests only the first and last of the first turn, the first of the
+continued turn and the first of the new conversation are kept: the others are its "resume
+after the output limit" requests, each the previous one plus ~80 tokens. The Anthropic tests
+read every file in tests/corpus/claude/ too (same method/path/headers/body keys).
 """
 
 from __future__ import annotations
