@@ -31,9 +31,11 @@ CLIENTS_CACHE = "/home/user/.cache/slotkeeper/clients"
 
 
 # What the exact replacements cannot catch: the upstream's port (mitmproxy's reverse mode
-# sends the upstream's Host), and paths the model echoed cut off mid-way.
+# sends the upstream's Host), paths the model echoed cut off mid-way, and machine ids.
 PATTERNS = ((re.compile(r"127\.0\.0\.1:\d+"), HOST),
-            (re.compile(r"/tmp/pytest-of-[\w.-]*(/[\w.-]*)*"), "/tmp/slotkeeper-test"))
+            (re.compile(r"/tmp/pytest-of-[\w.-]*(/[\w.-]*)*"), "/tmp/slotkeeper-test"),
+            # Claude Code's machine id, inside the JSON string metadata.user_id
+            (re.compile(r'(device_id\\?"\s*:\s*\\?")[0-9a-f]+'), r"\g<1>" + "0" * 64))
 
 
 def scrub(text: str, replacements: list[tuple[str, str]]) -> str:

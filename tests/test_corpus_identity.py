@@ -105,6 +105,7 @@ def test_corpus_holds_no_secret_or_machine_path(client: str) -> None:
         assert "sk-dummy-" not in text, path
         assert not re.search(r"/tmp/pytest-|/tmp/clx|/root/", text), path
         assert not re.search(r"127\.0\.0\.1:(?!8000\b)\d+", text), path
+        assert not re.search(r'device_id\\?"\s*:\s*\\?"(?!0{64})', text), path
 
 
 def test_readme_documents_the_settings_the_suite_uses(tmp_path: Path) -> None:
