@@ -119,7 +119,7 @@ class OllamaSurface:
             return
         if not path.startswith("/api/") or path.startswith("/api/sessions"):
             return
-        flow.marked = ":llama:"
+        flow.marked = ":gear:"  # ⚙ like the session API: answered by the proxy itself
         try:
             await self._dispatch(flow, path)
         except OllamaError as e:
