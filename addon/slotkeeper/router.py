@@ -413,29 +413,23 @@ class Router:
             self._mark_all_stale(url)
             return Route(url, ident.session_id, ident.rule, None, UNPINNED,
                          detail=f"{why}; slot count unknown")
-        lease = self.locks.acquire(url, slot, exclusive=True, timeout=wait)
-        with ExitStack() as stack:
-            detail = f"{why}; hashed over {count} slots"
-            if lease is None:
-                detail += "; slot stayed busy, forwarded without its lease"
-                self._displace(url, info, slot, ident.session_id, 0, save=False)
-            else:
-                stack.enter_context(lease)
-                note = self._displace(url, info, slot, ident.session_id, 0)
-                detail += f"; {note}" if note else ""
-            route = Route(url, ident.session_id, ident.rule, slot, FALLBACK, detail=detail,
-                          lease=lease)
-            stack.pop_all()
-            return route
+        return self._take_unclaimed(url, info, ident, slot, FALLBACK,
+                                    f"{why}; hashed over {count} slots", wait)
 
     def _route_client(self, url: str, info: UpstreamInfo, ident: Identity,
                       slot: int) -> Route:
         """The client chose id_slot: it runs there whatever we say, so it takes the slot's
         lease (waiting for the request on it) and the slot's owner is saved first and marked
         stale, so a later handover never saves the client's KV as the owner's snapshot."""
-        lease = self.locks.acquire(url, slot, exclusive=True, timeout=self.config.lock_timeout)
+        return self._take_unclaimed(url, info, ident, slot, CLIENT,
+                                    "id_slot chosen by the client", self.config.lock_timeout)
+
+    def _take_unclaimed(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
+                        action: str, detail: str, wait: float) -> Route:
+        """A request that runs on `slot` without claiming it (fallback, client-pinned): it
+        holds the slot's lease, and the slot's owner is saved first and marked stale."""
+        lease = self.locks.acquire(url, slot, exclusive=True, timeout=wait)
         with ExitStack() as stack:
-            detail = "id_slot chosen by the client"
             if lease is None:
                 detail += "; slot stayed busy, forwarded without its lease"
                 self._displace(url, info, slot, ident.session_id, 0, save=False)
@@ -443,7 +437,7 @@ class Router:
                 stack.enter_context(lease)
                 note = self._displace(url, info, slot, ident.session_id, 0)
                 detail += f"; {note}" if note else ""
-            route = Route(url, ident.session_id, ident.rule, slot, CLIENT, detail=detail,
+            route = Route(url, ident.session_id, ident.rule, slot, action, detail=detail,
                           lease=lease)
             stack.pop_all()
             return route
