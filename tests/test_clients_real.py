@@ -293,5 +293,15 @@ def test_every_request_is_answered_200(conformance: Conformance, client: str) ->
     assert flows, f"{client}: no request reached slotkeeper"
     bad = [f"{f.describe()}: status {f.record['status']}, error {f.record['error']}, "
            f"{f.record['ended'] - f.record['started']:.1f} s after it started"
-           for f in flows if f.record["status"] != 200 or f.record["error"]]
+           for f in flows if f.record["status"] != 200 or (f.record["error"]
+                                                           and not left_after_answer(f))]
     assert not bad, bad
+
+
+def left_after_answer(flow: Flow) -> bool:
+    """Codex exec exits as soon as it has `response.completed`, sometimes before the stream's
+    end reaches it: mitmproxy then calls that a client disconnect. That is no abandoned request
+    when the final event, the one with the server's timings, had been passed on."""
+    summary = flow.record.get("slotkeeper") or {}
+    return (flow.record["error"] == "Client disconnected."
+            and bool(summary.get("left_after_final_event")) and "prefilled" in summary)

@@ -380,7 +380,15 @@ class SlotKeeper:
             # No answer from llama-server at all: it may be restarting. Verify its slots
             # before trusting any of them again.
             self.router.mark_suspect(route.upstream)
-        await self._finish(route, None)
+        # A client may leave as soon as it has the final event (seen with Codex exec, which
+        # exits on `response.completed` while the stream's end is still in flight): the
+        # server finished the request, and its timings say what the slot now holds.
+        timings = self._timings(flow) if flow.response is not None else None
+        if timings is not None:
+            flow.metadata[SUMMARY_KEY].update(reused=timings.cache_n, prefilled=timings.prompt_n,
+                                              left_after_final_event=True)
+            metrics.timings(route.upstream, timings)
+        await self._finish(route, timings)
 
     async def _finish(self, route: Route, timings: Timings | None) -> str:
         assert self.router is not None
