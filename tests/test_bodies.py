@@ -5,6 +5,8 @@ import json
 import zlib
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from slotkeeper import bodies
 from slotkeeper.bodies import BodyError
@@ -56,6 +58,44 @@ def test_pin_sets_slot_and_defaults_cache_prompt():
 def test_pin_keeps_an_explicit_cache_prompt_false():
     out = json.loads(bodies.pin({"cache_prompt": False}, 1))
     assert out["cache_prompt"] is False and out["id_slot"] == 1
+
+
+def test_pin_appends_the_fields_to_the_clients_own_bytes():
+    raw = b'  {"messages": [{"role": "user", "content": "caf\xc3\xa9 \\u00e9"}], "n": 1.50}\n'
+    data = bodies.parse_json_object(raw)
+    out = bodies.pin(data, 3, raw)
+    # The client's text, untouched (spacing, escapes, number format), then the two fields.
+    assert out == raw.strip()[:-1] + b',"id_slot":3,"cache_prompt":true}'
+    assert json.loads(out) == {**data, "id_slot": 3, "cache_prompt": True}
+    assert json.loads(bodies.pin({}, 0, b"{ }")) == {"id_slot": 0, "cache_prompt": True}
+    assert json.loads(bodies.pin(data, None, raw)) == {**data, "cache_prompt": True}
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"cache_prompt": false, "messages": []}',  # the client's own choice must stay
+    b'{"cache_prompt": null, "messages": []}',  # null: defaulted to true, not duplicated
+    b'{"id_slot": 5, "messages": []}',  # a key at the top level is replaced, never doubled
+    '{"messages": []}'.encode("utf-16"),  # json.loads reads UTF-16; appending ASCII would not
+    b'\xef\xbb\xbf{"messages": []}',  # a BOM: not the bytes an object starts with
+])
+def test_pin_serializes_again_when_appending_would_be_wrong(raw):
+    data = json.loads(raw.decode("utf-8-sig") if raw.startswith(b"\xef") else raw)
+    out = bodies.pin(data, 1, raw)
+    assert out == bodies.pin(data, 1)  # the serializing path, whole
+    assert out.count(b'"id_slot"') == 1 and out.count(b'"cache_prompt"') == 1
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12)
+
+
+@given(st.dictionaries(st.text(), json_values, max_size=6), st.one_of(st.none(), st.integers(0, 64)),
+       st.sampled_from([{}, {"indent": 1}, {"ensure_ascii": False}]))
+def test_pin_means_the_same_whichever_path_it_takes(data, slot, style):
+    raw = json.dumps(data, **style).encode()
+    assert json.loads(bodies.pin(data, slot, raw)) == json.loads(bodies.pin(data, slot))
 
 
 def test_client_slot():

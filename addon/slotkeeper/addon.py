@@ -245,7 +245,7 @@ class SlotKeeper:
             self._refuse_if_too_deep(flow)
             return
         try:
-            data = self._read_body(flow)
+            body_text, data = self._read_body(flow)
         except BodyRefused as e:
             # Too large, or nested deeper than anything we (or llama-server) should parse:
             # answered here, never forwarded.
@@ -269,7 +269,7 @@ class SlotKeeper:
             return
         try:
             pinned_slot = route.slot if route.action != CLIENT else None
-            write_body(flow, bodies.pin(data, pinned_slot))
+            write_body(flow, bodies.pin(data, pinned_slot, body_text))
         except Exception:
             # Not forwarded as routed: the lease must not outlive this hook (fault 1).
             route.release()
@@ -278,12 +278,13 @@ class SlotKeeper:
         self.in_flight += 1
         describe(flow, ident, route)
         metrics.routed(flow.request.path, route)
-        # A kept session is the common case: one INFO line each cost ~0.2 ms on the hot path
-        # (docs/BENCHMARKS.md); every other decision is worth its line.
-        log.log(logging.DEBUG if route.action == KEPT else logging.INFO,
-                "%s (%s) -> slot %s, %s%s in %.1f ms", route.session, route.rule,
-                route.slot, route.action, f" ({route.detail})" if route.detail else "",
-                route.ms)
+        # A kept session is the common case and gets no log line: mitmproxy formats every
+        # record, whatever its level, and hands it to every addon as an event (measured on
+        # the hot path, docs/BENCHMARKS.md). The flow and the metrics still say it.
+        if route.action != KEPT:
+            log.info("%s (%s) -> slot %s, %s%s in %.1f ms", route.session, route.rule,
+                     route.slot, route.action, f" ({route.detail})" if route.detail else "",
+                     route.ms)
 
     async def _route(self, flow: http.HTTPFlow, ident: Identity,
                      client_slot: int | None, data: dict) -> Route | None:
@@ -300,7 +301,8 @@ class SlotKeeper:
             note_pass_through(flow, f"routing failed: {type(e).__name__}: {e}", marker="error")
             return None
 
-    def _read_body(self, flow: http.HTTPFlow) -> dict:
+    def _read_body(self, flow: http.HTTPFlow) -> tuple[bytes, dict]:
+        """The decoded body's JSON text, and the object parsed from it."""
         raw = flow.request.raw_content
         if raw is None:
             raise BodyError("body was streamed, not read")
@@ -308,7 +310,8 @@ class SlotKeeper:
             raise BodyTooLarge(f"request body of {len(raw)} bytes exceeds {self.max_body_bytes} "
                                f"bytes (slotkeeper_max_body_mb)")
         encoding = flow.request.headers.get("content-encoding", "")
-        return bodies.parse_json_object(bodies.decode_body(raw, encoding, self.max_body_bytes))
+        text = bodies.decode_body(raw, encoding, self.max_body_bytes)
+        return text, bodies.parse_json_object(text)
 
     def _refuse_if_too_deep(self, flow: http.HTTPFlow) -> None:
         """Any other POST is forwarded as it came, except JSON nested deep enough to crash
@@ -334,10 +337,12 @@ class SlotKeeper:
         headers = flow.response.headers
         streamed = "text/event-stream" in headers.get("content-type", "")
         if route is not None:
-            headers["X-Slotkeeper-Session"] = route.session
-            headers["X-Slotkeeper-Slot"] = "" if route.slot is None else str(route.slot)
-            headers["X-Slotkeeper-Source"] = route.rule
-            headers["X-Slotkeeper-Action"] = route.action
+            set_headers(headers, {
+                "X-Slotkeeper-Session": route.session,
+                "X-Slotkeeper-Slot": "" if route.slot is None else str(route.slot),
+                "X-Slotkeeper-Source": route.rule,
+                "X-Slotkeeper-Action": route.action,
+            })
         if streamed and route is not None:
             # Pass each event on as it arrives; watch for the final event's timings.
             watcher = SseTimingsWatcher()
@@ -525,11 +530,20 @@ def _logged(func, *args) -> None:
 def write_body(flow: http.HTTPFlow, body: bytes) -> None:
     """Forward a plain JSON body with an exact Content-Length, whatever encoding and framing
     (gzip, chunked) it arrived with."""
-    headers = flow.request.headers
-    headers.pop("content-encoding", None)
-    headers.pop("transfer-encoding", None)
-    flow.request.content = body
-    headers["content-length"] = str(len(body))
+    flow.request.raw_content = body  # plain: no content-encoding is left to apply
+    set_headers(flow.request.headers, {"content-length": str(len(body))},
+                drop=(b"content-encoding", b"transfer-encoding"))
+
+
+def set_headers(headers: http.Headers, values: dict[str, str],
+                drop: tuple[bytes, ...] = ()) -> None:
+    """Set several headers (replacing any of the same names) and remove the `drop` ones in one
+    pass over the raw fields: each `headers[name] = value` scans them all again, which showed
+    on the hot path."""
+    new = tuple((name.encode(), value.encode("utf-8", "surrogateescape"))
+                for name, value in values.items())
+    gone = {name.lower() for name, _ in new}.union(drop)
+    headers.fields = tuple(f for f in headers.fields if f[0].lower() not in gone) + new
 
 
 def describe(flow: http.HTTPFlow, ident: Identity, route: Route) -> None:

@@ -143,15 +143,19 @@ def identify(path: str, headers: Mapping[str, str], body: object,
     own = _from_headers(header_values, config) or _from_body(body)
     session, rule, parent = _resolve_children(own, header_values, prompt, config)
     system_chars = sum(len(part) for part in prompt.system_parts) + prompt.tools_chars
+    # The seed key and the chain's first link hash the same material: hashed once (a coding
+    # agent's tools alone are tens of KB of JSON).
+    system_digest = _system_digest(prompt)
     return Identity(
         session_id=session,
         rule=rule,
         parent_id=parent,
         prompt_chars=system_chars + prompt.message_chars,
         message_count=prompt.message_count,
-        seed_key=_seed_key(prompt),
+        seed_key=system_digest if prompt.tools or _hashable_system(prompt.system_parts)
+        else None,
         system_chars=system_chars,
-        chain=_chain(prompt),
+        chain=_chain(prompt, system_digest),
     )
 
 
@@ -198,8 +202,17 @@ def _lowercase_headers(headers: object) -> dict[str, str]:
     """Header values by lower-case name. Repeated names are joined with ", " as mitmproxy's
     Headers does, so a plain dict and a Headers object give the same answer."""
     values: dict[str, str] = {}
-    items = headers.items() if isinstance(headers, Mapping) else ()
+    fields = getattr(headers, "fields", None)
+    if isinstance(fields, tuple):
+        # mitmproxy's Headers: its raw (name, value) byte pairs, decoded as Headers decodes
+        # them. Its items() looks every name up again (joining repeats), which cost more than
+        # all the rest of identify on the hot path (docs/BENCHMARKS.md).
+        items = fields
+    else:
+        items = headers.items() if isinstance(headers, Mapping) else ()
     for name, value in items:
+        if isinstance(name, bytes):
+            name = name.decode("utf-8", "surrogateescape")
         if isinstance(value, bytes):
             value = value.decode("utf-8", "surrogateescape")
         if not isinstance(name, str) or not isinstance(value, str):
@@ -355,14 +368,12 @@ def _from_content(prompt: _Prompt) -> _Found:
     return _Found(DEFAULT_SESSION, "default")
 
 
-def _seed_key(prompt: _Prompt) -> str | None:
-    """Without the request's `model`: llama-server serves one model whatever name a client
-    sends, so one system prompt under two aliases is one seed (the seed's meta fingerprint
-    still ties it to the server's real model)."""
-    system = _hashable_system(prompt.system_parts)
-    if not system and not prompt.tools:
-        return None
-    return _digest({"system": system, "tools": prompt.tools})
+def _system_digest(prompt: _Prompt) -> str:
+    """sha256 hex of (system prompt, tools): the seed key when there is either, and the
+    chain's first link. Without the request's `model`: llama-server serves one model whatever
+    name a client sends, so one system prompt under two aliases is one seed (the seed's meta
+    fingerprint still ties it to the server's real model)."""
+    return _digest({"system": _hashable_system(prompt.system_parts), "tools": prompt.tools})
 
 
 # Roles whose text the chain leaves out: a client re-sends its model's earlier replies the
@@ -377,13 +388,12 @@ def _chain_item(message: object) -> tuple[str | None, tuple[str, ...]]:
     return (role, ()) if role in REPLY_ROLES else (role, tuple(_texts(message)))
 
 
-def _chain(prompt: _Prompt) -> tuple[str, ...]:
+def _chain(prompt: _Prompt, system_digest: str) -> tuple[str, ...]:
     """Cumulative hashes of (system block, message 1, message 2, ...); () for a raw prompt.
     blake2b: about twice as fast as sha256 here, and 12 bytes tell conversations apart."""
     if prompt.raw_prompt is not None or not prompt.messages:
         return ()
-    head = hashlib.blake2b(_digest({"system": _hashable_system(prompt.system_parts),
-                                    "tools": prompt.tools}).encode(), digest_size=12)
+    head = hashlib.blake2b(system_digest.encode(), digest_size=12)
     out = [head.hexdigest()]
     for message in prompt.messages:
         step = hashlib.blake2b(out[-1].encode(), digest_size=12)
