@@ -494,7 +494,8 @@ class Router:
         """The session leaves `url` (draining, saturated, or a baseline placement moved it):
         save its KV there if the server is up and it grew (under the slot's exclusive lease,
         so no request of it runs meanwhile), then drop its claim, so its next request is
-        restored wherever it is placed. Returns the tokens saved (0: nothing new saved)."""
+        restored wherever it is placed. Returns the tokens saved (0: nothing new saved; -1:
+        its slot stayed busy past `timeout`, nothing changed)."""
         up = self.state.read().upstreams.get(url)
         slot = up.slot_of(session) if up is not None else None
         if slot is None:
@@ -504,6 +505,8 @@ class Router:
         lease = None
         if save and info.healthy and not up.slots[slot].stale:
             lease = self.locks.acquire(url, slot, exclusive=True, timeout=timeout)
+            if lease is None:
+                return -1  # its slot stayed busy: the claim stays, it moves on a later request
         try:
             current = self.state.read().upstreams.get(url)
             rec = current.slots.get(slot) if current is not None else None
