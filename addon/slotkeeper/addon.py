@@ -317,7 +317,8 @@ class SlotKeeper:
         # A kept session is the common case: one INFO line each cost ~0.2 ms on the hot path
         # (docs/BENCHMARKS.md); every other decision is worth its line.
         log.log(logging.DEBUG if route.action == KEPT else logging.INFO,
-                "%s (%s) -> slot %s, %s%s in %.1f ms", route.session, route.rule,
+                "%s (%s) -> %sslot %s, %s%s in %.1f ms", route.session, route.rule,
+                f"{route.upstream} ({route.placement}) " if route.placement else "",
                 route.slot, route.action, f" ({route.detail})" if route.detail else "",
                 route.ms)
 
