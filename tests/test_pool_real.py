@@ -16,6 +16,7 @@ import requests
 
 from helpers import Conversation
 from slotkeeper.slotfiles import file_name_for
+from slotkeeper.status import gather, render
 from testbed import LlamaServer, long_system_prompt
 
 pytestmark = pytest.mark.pool
@@ -193,6 +194,13 @@ def test_drain_moves_sessions_out_and_takes_no_new_ones(make_llama, make_proxy, 
     assert t.cache_n >= 0.9 * before, (t.cache_n, before)
     newcomer = Conversation("drain-2", long_system_prompt(350, seed=42))
     assert server_of(newcomer.ask(proxy.url, "Name one prime number.")) == other.url
+    # `slotkeeper status` shows every pool member, which one drains, and each session's server.
+    report = gather(proxy.url, proxy.state_file, slot_dir)
+    text = render(report)
+    assert f"Upstream {home.url} (pool member, draining)" in text, text
+    assert f"Upstream {other.url} (pool member)" in text, text
+    on_other = next(up for up in report.upstreams if up["url"] == other.url)
+    assert {s["session"] for s in on_other["slots"]} >= {"drain-1", "drain-2"}, on_other
     metrics = requests.get(proxy.url + "/metrics", timeout=10).text
     assert f'slotkeeper_upstream_draining{{upstream="{home.url}"}} 1.0' in metrics
     assert (f'slotkeeper_session_upstream{{resident="true",session="drain-1",'

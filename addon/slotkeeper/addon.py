@@ -204,6 +204,9 @@ class SlotKeeper:
             if not header or not all(c.isalnum() or c in "-_" for c in header):
                 raise exceptions.OptionsError(
                     f"slotkeeper_session_headers: {header!r} is not a header name")
+        if opts.slotkeeper_placement not in placement.POLICIES:
+            raise exceptions.OptionsError(f"slotkeeper_placement must be one of "
+                                          f"{', '.join(placement.POLICIES)}")
         try:
             upstreams = tuple(placement.parse_upstreams(opts.slotkeeper_upstreams))
         except ValueError as e:
