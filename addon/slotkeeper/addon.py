@@ -315,8 +315,6 @@ class SlotKeeper:
         self.in_flight += 1
         describe(flow, ident, route)
         metrics.routed(flow.request.path, route)
-        if route.placement:
-            metrics.placed(route.upstream, route.placement)
         # A kept session is the common case: one INFO line each cost ~0.2 ms on the hot path
         # (docs/BENCHMARKS.md); every other decision is worth its line.
         log.log(logging.DEBUG if route.action == KEPT else logging.INFO,
