@@ -13,7 +13,7 @@ from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 
-from . import bodies, metrics
+from . import bodies, metrics, placement
 from .api import SessionApi
 from .bodies import BodyError, BodyRefused, BodyTooLarge, SseTimingsWatcher, Timings
 from .contentview import MitmwebView, flow_comment
@@ -21,8 +21,8 @@ from .identity import Identity, IdentityConfig, identify
 from .locks import SlotLocks
 from .messages import AnthropicMessages
 from .ollama_surface import OllamaSurface
-from .router import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, UNPINNED, Route,
-                     Router, RouterConfig)
+from .router import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, UNPINNED,
+                     NoUpstream, Route, Router, RouterConfig)
 from .slotfiles import SlotFolder
 from .state import StateFile
 from .translation import translation_of
@@ -73,6 +73,21 @@ def upstream_of(flow: http.HTTPFlow) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"  # an IPv6 literal needs its brackets in a URL (fault 6)
     return f"{req.scheme}://{host}:{req.port}"
+
+
+def point_at(flow: http.HTTPFlow, url: str) -> None:
+    """Send the flow to `url` (a pool server's base URL, placement.parse_upstreams form).
+    mitmproxy opens the server connection from the request's scheme, host and port after the
+    request hook, in reverse mode too; the Host header follows them (Request.host/port
+    setters), so the server sees its own address, as with one reverse-mode upstream."""
+    if upstream_of(flow) == url:
+        return
+    scheme, _, rest = url.partition("://")
+    host, _, port = rest.rpartition(":")
+    req = flow.request
+    req.scheme = scheme
+    req.host = host.strip("[]")
+    req.port = int(port)
 
 
 class SlotKeeper:
@@ -147,6 +162,15 @@ class SlotKeeper:
         loader.add_option("slotkeeper_lock_timeout", int, 600,
                           "Most seconds a request waits for a busy slot (a handover, a "
                           "client-pinned or fallback request) before it is placed another way.")
+        loader.add_option("slotkeeper_upstreams", Sequence[str], [],
+                          "Several llama-servers behind this address (repeat the option, one "
+                          "base URL each, e.g. http://127.0.0.1:8081): each session is placed "
+                          "on one of them and its KV moved when it has to leave. Empty: the "
+                          "reverse mode's one upstream.")
+        loader.add_option("slotkeeper_placement", str, placement.COST,
+                          "How a request's server is chosen among slotkeeper_upstreams: cost "
+                          "(the session's KV against each server's load), or the baselines "
+                          "round-robin and least-busy.", choices=list(placement.POLICIES))
         loader.add_option("slotkeeper_api_token", str, "",
                           "Bearer token for the management endpoints (/api/..., /metrics). "
                           "Unset: they answer loopback clients only. Set: they answer every "
@@ -180,6 +204,10 @@ class SlotKeeper:
             if not header or not all(c.isalnum() or c in "-_" for c in header):
                 raise exceptions.OptionsError(
                     f"slotkeeper_session_headers: {header!r} is not a header name")
+        try:
+            upstreams = tuple(placement.parse_upstreams(opts.slotkeeper_upstreams))
+        except ValueError as e:
+            raise exceptions.OptionsError(f"slotkeeper_upstreams: {e}") from None
         state_path = (Path(opts.slotkeeper_state_file).expanduser() if opts.slotkeeper_state_file
                       else default_state_dir() / "state.json")
         slot_dir = Path(opts.slotkeeper_slot_dir).expanduser() if opts.slotkeeper_slot_dir else None
@@ -229,6 +257,8 @@ class SlotKeeper:
                 save_every_tokens=opts.slotkeeper_save_every_tokens,
                 seed_min_chars=opts.slotkeeper_seed_min_chars,
                 max_seeds=opts.slotkeeper_max_seeds,
+                upstreams=upstreams,
+                placement=opts.slotkeeper_placement,
             ),
             state, locks, folder,
         )
@@ -243,6 +273,7 @@ class SlotKeeper:
             return
         if not bodies.is_completion_path(flow.request.path) or self.router is None:
             self._refuse_if_too_deep(flow)
+            self._point_at_any(flow)
             return
         try:
             data = self._read_body(flow)
@@ -285,16 +316,44 @@ class SlotKeeper:
                 route.slot, route.action, f" ({route.detail})" if route.detail else "",
                 route.ms)
 
+    def _point_at_any(self, flow: http.HTTPFlow) -> None:
+        """Pool: a request that is not placed (listings, /props, ...) goes to a server that
+        is up, not necessarily the reverse mode's first one."""
+        router = self.router
+        if router is not None and router.pooled and flow.response is None:
+            url = router.any_upstream()
+            if url is not None:
+                point_at(flow, url)
+
     async def _route(self, flow: http.HTTPFlow, ident: Identity,
                      client_slot: int | None, data: dict) -> Route | None:
+        route = await self._place_and_route(flow, ident, client_slot, data)
+        if route is not None and self.router is not None and self.router.pooled:
+            point_at(flow, route.upstream)
+        return route
+
+    async def _place_and_route(self, flow: http.HTTPFlow, ident: Identity,
+                               client_slot: int | None, data: dict) -> Route | None:
         assert self.router is not None
         url = upstream_of(flow)
-        route = self.router.try_keep(url, ident) if client_slot is None else None
+        if self.router.pooled:
+            # The fast path only for a session resident on a server that can keep it; the
+            # slow path places every other request (router.place).
+            url = self.router.sticky_upstream(ident.session_id) or ""
+        route = (self.router.try_keep(url, ident) if client_slot is None and url else None)
         if route is not None:
+            if self.router.pooled:
+                route.placement = placement.STAY
             return route
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self.pool, self.router.route, url, ident, client_slot, flow.request.path, data)
+                self.pool, self.router.route, url or upstream_of(flow), ident, client_slot,
+                flow.request.path, data)
+        except NoUpstream as e:
+            flow.response = error_response(503, f"no llama-server can take the request: {e}")
+            metrics.request(flow.request.path, "error")
+            log.warning("%s: %s", ident.session_id, e)
+            return None
         except Exception as e:  # a bug or an unforeseen fault: the request still goes through
             log.exception("routing failed; forwarding unpinned")
             note_pass_through(flow, f"routing failed: {type(e).__name__}: {e}", marker="error")
@@ -338,6 +397,8 @@ class SlotKeeper:
             headers["X-Slotkeeper-Slot"] = "" if route.slot is None else str(route.slot)
             headers["X-Slotkeeper-Source"] = route.rule
             headers["X-Slotkeeper-Action"] = route.action
+            if self.router is not None and self.router.pooled:
+                headers["X-Slotkeeper-Upstream"] = route.upstream
         if streamed and route is not None:
             # Pass each event on as it arrives; watch for the final event's timings.
             watcher = SseTimingsWatcher()
@@ -378,8 +439,12 @@ class SlotKeeper:
             return
         if flow.response is None:
             # No answer from llama-server at all: it may be restarting. Verify its slots
-            # before trusting any of them again.
+            # before trusting any of them again; a pool member is taken out until its
+            # /health answers again (the watcher probes it back in).
             self.router.mark_suspect(route.upstream)
+            if self.router.pooled and route.upstream in self.router.config.upstreams:
+                if self.router.set_health(route.upstream, False):
+                    log.warning("%s: no answer: taken out of the pool", route.upstream)
         # A client may leave as soon as it has the final event (seen with Codex exec, which
         # exits on `response.completed` while the stream's end is still in flight): the
         # server finished the request, and its timings say what the slot now holds.
@@ -454,7 +519,11 @@ class SlotKeeper:
             router = self.router
             if router is None:
                 continue
+            pool = set(router.config.upstreams)
             for url, info in router.known_upstreams():
+                if url in pool:
+                    await self._probe_member(router, url, info)
+                    continue
                 if info.suspect:
                     continue
                 try:
@@ -465,6 +534,21 @@ class SlotKeeper:
                 if not healthy:
                     log.info("%s: /health failed; slots will be verified", url)
                     router.mark_suspect(url)
+
+    async def _probe_member(self, router: Router, url: str, info) -> None:
+        """A pool member is polled whatever its state: down, it is taken out of placement;
+        answering again, it is put back (and verified before its slots are trusted)."""
+        loop = asyncio.get_running_loop()
+        try:
+            healthy = await loop.run_in_executor(self.release_pool, info.client.healthy)
+        except Exception:
+            log.exception("%s: health check failed unexpectedly", url)
+            healthy = False
+        if router.set_health(url, healthy):
+            if healthy:
+                log.warning("%s: answering again: back in the pool", url)
+            else:
+                log.warning("%s: /health failed: taken out of the pool", url)
 
     def done(self) -> Awaitable[None]:
         """Graceful shutdown (SIGINT/SIGTERM): let requests in flight finish, then save every
@@ -543,6 +627,7 @@ def describe(flow: http.HTTPFlow, ident: Identity, route: Route) -> None:
         "action": route.action,
         "detail": route.detail,
         "routing_ms": round(route.ms, 2),
+        **({"server": route.upstream, "placement": route.placement} if route.placement else {}),
         "prompt_chars": ident.prompt_chars,
         "messages": ident.message_count,
     }

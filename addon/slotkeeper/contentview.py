@@ -47,7 +47,19 @@ def flow_comment(summary: dict[str, Any]) -> str:
     session = short_session(str(summary.get("session") or "?"))
     slot = summary.get("slot")
     action = str(summary.get("action") or "?")
-    return f"{session} {action}" if slot is None else f"{session} #{slot} {action}"
+    comment = f"{session} {action}" if slot is None else f"{session} #{slot} {action}"
+    server = summary.get("server")
+    if server:  # a pool (issue #13): which server, by its port (or host when ports repeat)
+        comment += f" @{server_tag(str(server))}"
+    return comment
+
+
+def server_tag(url: str) -> str:
+    """A pool server's short name for the flow comment: its port ("http://127.0.0.1:8081"
+    -> "8081"); servers on other hosts are told apart by host then ("gpu2:8080")."""
+    rest = url.partition("://")[2]
+    host, _, port = rest.rpartition(":")
+    return port if host in ("127.0.0.1", "localhost", "[::1]") else rest
 
 
 def summary_of(flow: object) -> dict[str, Any] | None:

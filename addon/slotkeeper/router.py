@@ -22,6 +22,7 @@ from pathlib import Path  # noqa: F401 (kept for callers that import it from her
 from typing import Generic, TypeVar
 
 from . import choice, metrics, policy
+from . import placement as placing
 from .admin import ADMIN_LOCK_TIMEOUT, NoSlotDir, SessionAdmin, SlotBusy  # noqa: F401 (re-exported)
 from .bodies import Timings
 from .choice import SlotView
@@ -83,6 +84,11 @@ class RouterConfig:
     save_every_tokens: int = 2048  # a session that keeps its slot is saved after this growth
     seed_min_chars: int = 2000  # system prompts (plus tools) at least this long get a seed
     max_seeds: int = 8
+    # Several llama-servers behind one address (issue #13): their base URLs, in order. Empty:
+    # each flow's own upstream, as one reverse mode gives it.
+    upstreams: tuple[str, ...] = ()
+    placement: str = placing.COST
+    weights: placing.Weights = field(default_factory=placing.Weights)
 
 
 @dataclass
@@ -99,6 +105,7 @@ class Route:
     messages: int = 0
     seed_key: str | None = None
     conversation: Conversation | None = None  # what the slot holds for the session afterwards
+    placement: str = ""  # pool only: why this server (placing.STAY, CHEAPEST, ...)
     _on_release: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def release(self) -> None:
@@ -132,12 +139,21 @@ class UpstreamInfo:
     # state file's copy may lag by the coalescing interval.
     last_seen: Recent[str, Seen] = field(default_factory=lambda: Recent(MAX_REMEMBERED_SESSIONS))
     cleared_warned: bool = False
+    healthy: bool = True  # pool member answering /health (the watcher probes it back in)
 
     def messages_of(self, session: str, recorded: int) -> int:
         """Messages in the session's slot: the state file's count lags by the coalescing
         interval, this process's own last request does not."""
         seen = self.last_seen.get(session)
         return max(recorded, seen.messages) if seen else recorded
+
+
+class NoUpstream(Exception):
+    """Every server of the pool is down or draining."""
+
+
+class ClaimedElsewhere(Exception):
+    """Another process placed the session on another live server meanwhile: place again."""
 
 
 class Router:
@@ -166,6 +182,11 @@ class Router:
         self._openings: Recent[str, dict[str, Conversation]] = Recent(MAX_REMEMBERED_SESSIONS)
         # (upstream, session) -> requests of the session running in this process
         self._running: dict[tuple[str, str], int] = {}
+        # upstream -> routed requests of this process not yet ended (the pool's load)
+        self._in_flight: dict[str, int] = {}
+        self._turn = 0  # round-robin placement
+        for url in config.upstreams:
+            self.upstream(url)
 
     def adopt(self, old: Router) -> None:
         """An option changed and a new router replaces `old`: keep what it knew (upstream
@@ -175,6 +196,7 @@ class Router:
         for url, info in upstreams.items():
             mine = self.upstream(url)
             mine.props, mine.checked, mine.suspect = info.props, info.checked, True
+            mine.healthy = info.healthy
             mine.last_seen.update(info.last_seen)
             mine.usage_written.update(info.usage_written)
         self._conversations.update(old._conversations)
@@ -255,11 +277,13 @@ class Router:
         if ident.rule != "content" or not ident.chain:
             return ident
         known: dict[str, Conversation] = {}
-        up = self.state.read().upstreams.get(url)
-        for rec in up.slots.values() if up else ():
-            if rec.chain_head and _opening_of(rec.owner) == ident.session_id:
-                known[rec.owner] = Conversation(rec.system_key or None, rec.chain_length,
-                                                rec.chain_head, rec.chars)
+        doc = self.state.read()
+        for up_url in self.config.upstreams or (url,):
+            up = doc.upstreams.get(up_url)
+            for rec in up.slots.values() if up else ():
+                if rec.chain_head and _opening_of(rec.owner) == ident.session_id:
+                    known[rec.owner] = Conversation(rec.system_key or None, rec.chain_length,
+                                                    rec.chain_head, rec.chars)
         known.update(self._openings.get(ident.session_id, {}))
         session = policy.resolve_content(ident.session_id, ident.chain, known)
         if session == ident.session_id:
@@ -319,12 +343,201 @@ class Router:
         """Called with the request already counted as running (_enter): a route that runs on
         the session's own slot stays counted until its lease is released; any other stops
         counting now."""
+        url = route.upstream
+        with self._mutex:
+            self._in_flight[url] = self._in_flight.get(url, 0) + 1
+        route._on_release.append(lambda: self._request_ended(url))
         if route.action not in OWNING:
             self._leave(route.upstream, route.session)
             return route
         route.conversation = self._remember(route.upstream, route.session, ident)
         route._on_release.append(lambda: self._leave(route.upstream, route.session))
         return route
+
+    def _request_ended(self, url: str) -> None:
+        with self._mutex:
+            left = self._in_flight.get(url, 1) - 1
+            if left > 0:
+                self._in_flight[url] = left
+            else:
+                self._in_flight.pop(url, None)
+
+    def in_flight(self, url: str) -> int:
+        return self._in_flight.get(url, 0)
+
+    # ---- the pool (issue #13): which server a request goes to -------------------------------
+
+    @property
+    def pooled(self) -> bool:
+        return bool(self.config.upstreams)
+
+    def home_of(self, session: str, doc: StateDoc | None = None) -> str | None:
+        """The pool server holding the session's claim (fresh or stale), if any. Claims are
+        in the state file every proxy process shares, so every process sees one home."""
+        doc = doc or self.state.read()
+        for url in self.config.upstreams:
+            up = doc.upstreams.get(url)
+            if up is not None and up.slot_of(session) is not None:
+                return url
+        return None
+
+    def placeable(self, url: str, doc: StateDoc | None = None) -> bool:
+        """Up (as this process's health checks see it) and not draining (as the state file
+        says, for every process)."""
+        doc = doc or self.state.read()
+        up = doc.upstreams.get(url)
+        return self.upstream(url).healthy and not (up is not None and up.draining)
+
+    def sticky_upstream(self, session: str) -> str | None:
+        """For the fast path: the session's server when a kept request may go there without
+        asking any server (resident there, placeable, not saturated by this process's own
+        requests); None: take the slow path, which places it."""
+        doc = self.state.read()
+        url = self.home_of(session, doc)
+        if url is None or not self.placeable(url, doc):
+            return None
+        info = self._upstreams.get(url)
+        slots = info.props.total_slots if info is not None and info.props else 0
+        if (self.config.placement != placing.COST
+                or self.in_flight(url) >= max(slots, 1)):
+            return None
+        return url
+
+    def any_upstream(self) -> str | None:
+        """A server for a request that is not placed (listings, /props, /tokenize): the
+        first placeable one."""
+        doc = self.state.read()
+        return next((url for url in self.config.upstreams if self.placeable(url, doc)), None)
+
+    def set_health(self, url: str, healthy: bool) -> bool:
+        """The health watcher's verdict; True when it changed. A server that comes back may
+        have restarted: its slots are verified before the next request trusts them."""
+        info = self.upstream(url)
+        changed = info.healthy != healthy
+        info.healthy = healthy
+        if not healthy or changed:
+            info.suspect = True
+        return changed
+
+    def place(self, ident: Identity) -> placing.Placement:
+        """Gather each pool server's view and let placing.place decide. Blocking."""
+        session = ident.session_id
+        # A request of the session still running in this process: the others go where it is,
+        # so the side-request rules of one server apply (never two servers for one session).
+        for (url, running_session), count in list(self._running.items()):
+            if running_session == session and count > 0 and url in self.config.upstreams \
+                    and self.placeable(url):
+                return placing.Placement(url, placing.STAY)
+        views = self._pool_views(ident)
+        prompt = max([placing.estimate_tokens(ident.prompt_chars)]
+                     + [v.reuse for v in views])
+        with self._mutex:
+            turn = self._turn
+            self._turn += 1
+        chosen = placing.place(views, prompt, self.config.placement, self.config.weights,
+                                 turn)
+        if chosen is None:
+            raise NoUpstream("every server of the pool is down or draining")
+        return chosen
+
+    def _pool_views(self, ident: Identity) -> list[placing.ServerView]:
+        session = ident.session_id
+        doc = self.state.read()
+        folder = self.folder
+        snapshot = folder.read_meta(session) if folder is not None else None
+        seed = (folder.read_meta(seed_id(ident.seed_key))
+                if folder is not None and ident.seed_key else None)
+        now = self.clock()
+        views = []
+        for url in self.config.upstreams:
+            info = self.upstream(url)
+            up_rec = doc.upstreams.get(url)
+            draining = up_rec is not None and up_rec.draining
+            healthy = info.healthy
+            if healthy and (info.suspect or not info.checked):
+                self._verify(url, info)
+            props = info.props
+            total = props.total_slots if props is not None else 1
+            busy = free = live_tokens = 0
+            slot = up_rec.slot_of(session) if up_rec is not None else None
+            if healthy:
+                try:
+                    slots = info.client.slots()
+                except SlotsUnavailable:
+                    if not info.client.healthy():
+                        healthy = False
+                        self.set_health(url, False)
+                        log.info("%s: not answering: taken out of the pool", url)
+                else:
+                    claims = up_rec.claims() if up_rec is not None else {}
+                    total = len(slots) or total
+                    busy = sum(1 for s in slots if s.is_processing)
+                    free = sum(1 for s in slots if not s.is_processing
+                               and choice.is_abandoned(claims.get(s.id), now, self.config.ttl))
+                    live_tokens = _tokens_in(slots, slot) if slot is not None else 0
+            resident = (healthy and slot is not None and up_rec is not None
+                        and not up_rec.slots[slot].stale)
+            reuse = 0
+            if resident:
+                reuse = max(up_rec.slots[slot].tokens, live_tokens)
+            elif props is not None:
+                for meta in (snapshot, seed):
+                    if (meta is not None and meta.fingerprint == props.fingerprint
+                            and meta.n_tokens <= props.n_ctx):
+                        reuse = max(reuse, meta.n_tokens)
+            views.append(placing.ServerView(
+                url=url, up=healthy, draining=draining, slots=max(total, 1), busy=busy,
+                in_flight=self.in_flight(url), free=free, reuse=reuse, resident=resident))
+        return views
+
+    def evacuate(self, url: str, session: str, timeout: float, save: bool = True) -> int:
+        """The session leaves `url` (draining, saturated, or a baseline placement moved it):
+        save its KV there if the server is up and it grew (under the slot's exclusive lease,
+        so no request of it runs meanwhile), then drop its claim, so its next request is
+        restored wherever it is placed. Returns the tokens saved (0: nothing new saved)."""
+        up = self.state.read().upstreams.get(url)
+        slot = up.slot_of(session) if up is not None else None
+        if slot is None:
+            return 0
+        info = self.upstream(url)
+        saved = 0
+        lease = None
+        if save and info.healthy and not up.slots[slot].stale:
+            lease = self.locks.acquire(url, slot, exclusive=True, timeout=timeout)
+        try:
+            current = self.state.read().upstreams.get(url)
+            rec = current.slots.get(slot) if current is not None else None
+            if rec is None or rec.owner != session:
+                return 0
+            if lease is not None and not rec.stale:
+                if info.props is None:
+                    self._verify(url, info)
+                try:
+                    live = _tokens_in(info.client.slots(), slot)
+                except SlotsUnavailable:
+                    live = 0
+                seen = info.last_seen.get(session)
+                tokens = max(rec.tokens, live, seen.tokens if seen else 0)
+                if self._save_if_worth(url, info, slot, rec, tokens):
+                    saved = max(tokens, rec.saved_tokens)
+
+            def drop(doc: StateDoc) -> None:
+                cur = doc.upstream(url).slots.get(slot)
+                if cur is not None and cur.owner == session:
+                    del doc.upstream(url).slots[slot]
+
+            self.state.update(drop)
+            self._conversations.pop((url, session), None)
+            return saved
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def set_draining(self, url: str, draining: bool) -> None:
+        def change(doc: StateDoc) -> None:
+            doc.upstream(url).draining = draining
+
+        self.state.update(change)
 
     # ---- the fast path ---------------------------------------------------------------------
 
@@ -364,12 +577,33 @@ class Router:
               path: str = "", body: dict | None = None) -> Route:
         started = time.monotonic()
         ident = self._resolve(url, ident)
-        running = self._enter(url, ident.session_id)
-        try:
-            route = self._walk(url, ident, client_slot, path, body, running)
-        except BaseException:
-            self._leave(url, ident.session_id)
-            raise
+        chosen = None
+        for _attempt in range(3):
+            if self.pooled:
+                chosen = self.place(ident)
+                url = chosen.url
+                home = self.home_of(ident.session_id)
+                leaving = chosen.leaving or (home if home not in (None, url) else None)
+                if leaving is not None:
+                    # The cost policy carries the session's KV along (saved there, restored
+                    # here); the baselines place as a KV-blind balancer would, so only what an
+                    # idle save wrote before is there to restore.
+                    self.evacuate(leaving, ident.session_id, self.config.lock_timeout,
+                                  save=self.config.placement == placing.COST)
+            running = self._enter(url, ident.session_id)
+            try:
+                route = self._walk(url, ident, client_slot, path, body, running)
+            except ClaimedElsewhere:
+                self._leave(url, ident.session_id)
+                continue
+            except BaseException:
+                self._leave(url, ident.session_id)
+                raise
+            break
+        else:
+            raise NoUpstream("the session's placement kept changing under other processes")
+        if chosen is not None:
+            route.placement = chosen.reason
         route.messages = ident.message_count
         route.seed_key = ident.seed_key
         route.ms = (time.monotonic() - started) * 1000
@@ -510,8 +744,21 @@ class Router:
         ranked it, or when this session got a slot elsewhere meanwhile: the caller re-ranks.
         `move`: the session leaves its other slot (running its other request) for this one."""
         now = self.clock()
+        live_elsewhere = {u for u in self.config.upstreams if u != url and self.placeable(u)}
 
         def change(doc: StateDoc) -> tuple[SlotRecord | None] | None:
+            if self.pooled:
+                # Never one session on two servers: a claim on another live server of the pool
+                # means another process placed it there meanwhile (place again: it stays
+                # there); one on a server that is down, draining or gone is dropped (its
+                # snapshot is restored here).
+                for other_url, other_up in doc.upstreams.items():
+                    held = other_up.slot_of(ident.session_id) if other_url != url else None
+                    if held is None:
+                        continue
+                    if other_url in live_elsewhere:
+                        return "elsewhere"
+                    del other_up.slots[held]
             up = doc.upstream(url)
             other = up.slot_of(ident.session_id)
             if other is not None and other != slot:
@@ -528,7 +775,10 @@ class Router:
                                         **_conversation_fields(ident))
             return (previous,)
 
-        return self.state.update(change)
+        claimed = self.state.update(change)
+        if claimed == "elsewhere":
+            raise ClaimedElsewhere(ident.session_id)
+        return claimed
 
     def _route_side(self, url: str, info: UpstreamInfo, ident: Identity,
                     slots: list[SlotView]) -> Route:

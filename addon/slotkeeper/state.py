@@ -51,6 +51,7 @@ class SlotRecord:
 @dataclass
 class UpstreamRecord:
     fingerprint: str = ""  # model/build/slot layout from /props: a change means a new server
+    draining: bool = False  # pool (issue #13): take no new sessions, move its sessions out
     slots: dict[int, SlotRecord] = field(default_factory=dict)
 
     def slot_of(self, session: str) -> int | None:
@@ -76,6 +77,7 @@ class StateDoc:
             "upstreams": {
                 url: {
                     "fingerprint": up.fingerprint,
+                    **({"draining": True} if up.draining else {}),
                     "slots": {str(k): asdict(v) for k, v in sorted(up.slots.items())},
                 }
                 for url, up in self.upstreams.items()
@@ -94,7 +96,8 @@ class StateDoc:
         for url, up in upstreams.items():
             if not isinstance(up, dict) or not isinstance(up.get("slots", {}), dict):
                 raise ValueError(f"upstream {url!r} is malformed")
-            rec = UpstreamRecord(fingerprint=str(up.get("fingerprint", "")))
+            rec = UpstreamRecord(fingerprint=str(up.get("fingerprint", "")),
+                                 draining=up.get("draining") is True)
             for key, slot in up.get("slots", {}).items():
                 try:
                     rec.slots[int(key)] = _slot_record(slot)
