@@ -269,7 +269,10 @@ class SlotKeeper:
     # ---- hooks -----------------------------------------------------------------------------
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        if flow.response is not None or flow.request.method != "POST":
+        if flow.response is not None:
+            return
+        if flow.request.method != "POST":
+            self._point_at_any(flow)
             return
         if not bodies.is_completion_path(flow.request.path) or self.router is None:
             self._refuse_if_too_deep(flow)
@@ -309,6 +312,8 @@ class SlotKeeper:
         self.in_flight += 1
         describe(flow, ident, route)
         metrics.routed(flow.request.path, route)
+        if route.placement:
+            metrics.placed(route.upstream, route.placement)
         # A kept session is the common case: one INFO line each cost ~0.2 ms on the hot path
         # (docs/BENCHMARKS.md); every other decision is worth its line.
         log.log(logging.DEBUG if route.action == KEPT else logging.INFO,

@@ -7,7 +7,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from . import metrics
-from .state import StateDoc
+from .state import StateDoc, UpstreamRecord
 from .upstream import UpstreamError
 
 if TYPE_CHECKING:
@@ -28,7 +28,8 @@ class SessionAdmin:
         doc = self.router.state.read()
         folder = self.router.folder
         out: dict = {}
-        for url, up in doc.upstreams.items():
+        pool = tuple(getattr(getattr(self.router, "config", None), "upstreams", ()))
+        for url, up in {**{u: UpstreamRecord() for u in pool}, **doc.upstreams}.items():
             slots = {}
             for slot_id, rec in sorted(up.slots.items()):
                 meta = folder.read_meta(rec.owner) if folder else None
@@ -42,7 +43,9 @@ class SessionAdmin:
                     "file": None if meta is None else {"tokens": meta.n_tokens,
                                                        "bytes": meta.size_bytes},
                 }
-            out[url] = {"slots": slots}
+            out[url] = {"slots": slots, "draining": up.draining,
+                        **({"pool": True, "up": self.router.upstream(url).healthy}
+                           if url in pool else {})}
         return {"upstreams": out, "slot_dir": str(folder.root) if folder else None}
 
     def saved(self) -> list[dict]:
@@ -94,6 +97,43 @@ class SessionAdmin:
         if not (found or deleted):
             return None
         return {"id": session, "slot_erased": found, "files_deleted": deleted}
+
+    # ---- the pool (issue #13) ------------------------------------------------------------
+
+    def pool(self) -> dict:
+        router = self.router
+        doc = router.state.read()
+        members = []
+        for url in router.config.upstreams:
+            up = doc.upstreams.get(url)
+            members.append({
+                "url": url, "up": router.upstream(url).healthy,
+                "draining": bool(up and up.draining), "in_flight": router.in_flight(url),
+                "sessions": sorted(rec.owner for rec in up.slots.values()) if up else []})
+        return {"placement": router.config.placement, "upstreams": members}
+
+    def drain(self, url: str) -> dict:
+        """Take no new sessions on `url` and move its sessions out: each resident session's
+        KV is saved there and its claim dropped, so its next request is placed on another
+        server and restores it. A session whose slot stays busy keeps its claim; its next
+        request moves it (a draining server is never chosen)."""
+        router = self.router
+        router.set_draining(url, True)
+        moved, busy = [], []
+        up = router.state.read().upstreams.get(url)
+        for rec in list(up.slots.values()) if up else []:
+            saved = router.evacuate(url, rec.owner, ADMIN_LOCK_TIMEOUT)
+            if saved < 0:
+                busy.append(rec.owner)
+            else:
+                moved.append({"session": rec.owner, "saved_tokens": saved})
+        log.info("%s draining: %d sessions moved out, %d busy", url, len(moved), len(busy))
+        return {"upstream": url, "draining": True, "moved": moved, "busy": busy}
+
+    def undrain(self, url: str) -> dict:
+        self.router.set_draining(url, False)
+        log.info("%s takes sessions again", url)
+        return {"upstream": url, "draining": False}
 
     def _release_slot(self, url: str, slot: int, owner: str | None) -> None:
         router = self.router

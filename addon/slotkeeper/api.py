@@ -12,6 +12,7 @@ from urllib.parse import unquote
 from mitmproxy import http
 
 from .access import READ_METHODS, is_loopback, management_access  # noqa: F401 (re-exported)
+from . import placement
 from .admin import NoSlotDir, SessionAdmin, SlotBusy
 
 if TYPE_CHECKING:
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("slotkeeper.api")
 
 PREFIX = "/api/sessions"
+POOL_PREFIX = "/api/upstreams"  # the pool of llama-servers (issue #13)
 # Session ids as identity.py normalises them: printable ASCII, at most 128 characters (plus
 # "parent/child"). Anything else cannot name a session: 400, not a file lookup.
 VALID_ID = re.compile(r"^[\x21-\x7e]{1,300}$")
@@ -40,7 +42,9 @@ class SessionApi:
 
     async def request(self, flow: http.HTTPFlow) -> None:
         path = flow.request.path.split("?", 1)[0]
-        if flow.response is not None or not (path == PREFIX or path.startswith(PREFIX + "/")):
+        pool = path == POOL_PREFIX or path.startswith(POOL_PREFIX + "/")
+        if flow.response is not None or not (
+                pool or path == PREFIX or path.startswith(PREFIX + "/")):
             return
         flow.marked = ":gear:"
         flow.comment = "slotkeeper API"
@@ -53,7 +57,8 @@ class SessionApi:
             flow.response = error(503, "slotkeeper is not configured")
             return
         admin = SessionAdmin(router)
-        call = self._dispatch(flow.request.method, path[len(PREFIX):], admin)
+        call = (self._dispatch_pool(flow, path[len(POOL_PREFIX):], admin) if pool
+                else self._dispatch(flow.request.method, path[len(PREFIX):], admin))
         if isinstance(call, http.Response):
             flow.response = call
             return
@@ -75,6 +80,29 @@ class SessionApi:
             flow.response = error(404, "unknown session id")
         else:
             flow.response = json_response(status, result)
+
+    @staticmethod
+    def _dispatch_pool(flow: http.HTTPFlow, rest: str, admin: SessionAdmin):
+        """GET /api/upstreams; POST /api/upstreams/drain and /undrain with
+        {"upstream": "<base URL of a pool server>"}."""
+        method = flow.request.method
+        if not admin.router.pooled:
+            return error(404, "no pool: slotkeeper_upstreams is not set")
+        if rest in ("", "/"):
+            return (200, admin.pool, ()) if method == "GET" else error(
+                405, f"no such endpoint: {method} {POOL_PREFIX}")
+        if rest not in ("/drain", "/undrain"):
+            return error(404, f"no such endpoint: {method} {POOL_PREFIX}{rest}")
+        if method != "POST":
+            return error(405, f"{POOL_PREFIX}{rest} takes POST")
+        try:
+            body = json.loads(flow.request.get_text(strict=False) or "{}")
+            url = placement.parse_upstreams([body["upstream"]])[0]
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            return error(400, f'give {{"upstream": "<base URL of a pool server>"}} ({e})')
+        if url not in admin.router.config.upstreams:
+            return error(404, f"{url} is not in slotkeeper_upstreams")
+        return 200, (admin.drain if rest == "/drain" else admin.undrain), (url,)
 
     @staticmethod
     def _dispatch(method: str, rest: str, admin: SessionAdmin):

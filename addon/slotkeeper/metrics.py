@@ -108,6 +108,10 @@ FALLBACKS = _metric(Counter, "slotkeeper_fallbacks",
                     "Requests hashed over the slot count (or left unpinned) because /slots "
                     "was unusable, by reason.", ("reason",))
 
+PLACEMENTS = _metric(Counter, "slotkeeper_placements",
+                    "Pool (slotkeeper_upstreams): requests placed on each server, by why "
+                    "(stay, cheapest, moved, turn, least busy).", ("upstream", "reason"))
+
 for _op in OPERATIONS:  # zeros from the start, so rates work before the first event
     for _outcome in ("ok", "failed"):
         SLOT_OPS.labels(_op, _outcome)
@@ -130,6 +134,10 @@ def request(path: str, action: str) -> None:
 def routed(path: str, route: Route) -> None:
     REQUESTS.labels(endpoint_of(path), route.action).inc()
     ROUTING_SECONDS.labels(route.action).observe(max(route.ms, 0.0) / 1000)
+
+
+def placed(upstream: str, reason: str) -> None:
+    PLACEMENTS.labels(upstream, reason).inc()
 
 
 def timings(upstream: str, t: Timings | None) -> None:
@@ -236,6 +244,17 @@ class _LiveCollector:
                                   "metadata, temp files).")
         size = GaugeMetricFamily("slotkeeper_disk_bytes",
                                  "Bytes of slotkeeper's files in the slot folder.")
+        member_up = GaugeMetricFamily("slotkeeper_upstream_up",
+                                      "Pool: 1 while the server answers /health and takes "
+                                      "requests, 0 while it is out.", labels=["upstream"])
+        draining = GaugeMetricFamily("slotkeeper_upstream_draining",
+                                     "Pool: 1 while the server is drained (its sessions moved "
+                                     "out, no new ones).", labels=["upstream"])
+        session_server = GaugeMetricFamily(
+            "slotkeeper_session_upstream",
+            "Pool: 1 for the server that holds each session's claim (one per slot at most, "
+            "so bounded by the pool's slot count); resident says whether its KV is there.",
+            labels=["session", "upstream", "resident"])
         if router is not None:
             try:
                 doc = router.state.read()
@@ -252,6 +271,12 @@ class _LiveCollector:
             for url, info in router.known_upstreams():
                 if info.props is not None:
                     total.add_metric([url], info.props.total_slots)
+            for url in router.config.upstreams:
+                up = doc.upstreams.get(url) if doc is not None else None
+                member_up.add_metric([url], 1 if router.upstream(url).healthy else 0)
+                draining.add_metric([url], 1 if up is not None and up.draining else 0)
+                for rec in up.slots.values() if up is not None else ():
+                    session_server.add_metric([rec.owner, url, str(not rec.stale).lower()], 1)
             if router.folder is not None:
                 count, nbytes = router.folder.usage()
                 files.add_metric([], count)
@@ -259,7 +284,7 @@ class _LiveCollector:
         with _LOCK:
             for url, value in sorted(_SPEED.items()):
                 speed.add_metric([url], value)
-        return [owned, resident, total, speed, files, size]
+        return [owned, resident, total, speed, files, size, member_up, draining, session_server]
 
 
 if "live" not in _METRICS:

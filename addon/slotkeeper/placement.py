@@ -68,6 +68,8 @@ class ServerView:
     reuse: int = 0  # tokens of this session's prompt the server can start from (its resident
     #                KV, a snapshot compatible with it, a seed)
     resident: bool = False  # the session's KV is in one of its slots now (the claim is fresh)
+    pending: bool = False  # a handover of the session is in progress there (another request
+    #                        or process is restoring it): it stays, never two servers at once
 
     @property
     def running(self) -> int:
@@ -118,7 +120,7 @@ def place(servers: Sequence[ServerView], prompt_tokens: int, policy: str = COST,
     candidates = [s for s in servers if s.placeable]
     if not candidates:
         return None
-    home = next((s for s in servers if s.resident), None)
+    home = next((s for s in servers if s.resident or s.pending), None)
     if policy == ROUND_ROBIN:
         chosen = candidates[turn % len(candidates)]
         return Placement(chosen.url, TURN, _leaving(home, chosen))
@@ -127,16 +129,18 @@ def place(servers: Sequence[ServerView], prompt_tokens: int, policy: str = COST,
         return Placement(chosen.url, LEAST, _leaving(home, chosen))
     if policy != COST:
         raise ValueError(f"unknown placement policy {policy!r}")
-    ranked = sorted(candidates, key=lambda s: cost(s, prompt_tokens, weights))
-    best = ranked[0]
+    best = min(candidates, key=lambda s: cost(s, prompt_tokens, weights))
     if home is not None and home.placeable:
-        if not saturated(home) or best is home:
+        others = [s for s in candidates if s is not home]
+        if home.pending or not saturated(home) or not others:
             return Placement(home.url, STAY)
-        # Saturated: the session's KV can follow it (saved there, restored here), so the
-        # other server's reuse is what the session holds now.
-        moved = cost(replace(best, reuse=max(best.reuse, home.reuse)), prompt_tokens, weights)
-        if moved + weights.move_margin <= cost(home, prompt_tokens, weights):
-            return Placement(best.url, MOVED, leaving=home.url)
+        # Saturated: the session's KV can follow it (saved there, restored on the other
+        # server in milliseconds), so elsewhere it would reuse what it holds now.
+        carried = [replace(s, reuse=max(s.reuse, home.reuse)) for s in others]
+        target = min(carried, key=lambda s: cost(s, prompt_tokens, weights))
+        if (cost(target, prompt_tokens, weights) + weights.move_margin
+                <= cost(home, prompt_tokens, weights)):
+            return Placement(target.url, MOVED, leaving=home.url)
         return Placement(home.url, STAY)
     # A new session, one whose KV was displaced, or one whose server is down or draining (a
     # draining server is still up: the session's KV is saved there before it leaves).
@@ -144,7 +148,9 @@ def place(servers: Sequence[ServerView], prompt_tokens: int, policy: str = COST,
 
 
 def _leaving(home: ServerView | None, chosen: ServerView) -> str | None:
-    return home.url if home is not None and home.url != chosen.url and home.up else None
+    if home is None or home.url == chosen.url or not home.up or not home.resident:
+        return None
+    return home.url
 
 
 def estimate_tokens(prompt_chars: int) -> int:

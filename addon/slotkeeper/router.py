@@ -52,6 +52,9 @@ OWNING = frozenset({KEPT, ASSIGNED, RESTORED, SEEDED})
 # forgotten session loses only exactness (the state file and metas still hold what matters).
 MAX_REMEMBERED_SESSIONS = 4096
 MAX_FORKS_PER_OPENING = 16
+# Pool: a stale claim younger than this whose slot is leased is a handover in progress (a
+# restore takes milliseconds; building a seed of a long system prompt up to a minute here).
+HANDOVER_CLAIM_SECONDS = 120.0
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -477,6 +480,8 @@ class Router:
                     live_tokens = _tokens_in(slots, slot) if slot is not None else 0
             resident = (healthy and slot is not None and up_rec is not None
                         and not up_rec.slots[slot].stale)
+            pending = (healthy and not resident and slot is not None and up_rec is not None
+                       and self._handover_in_progress(url, slot, up_rec.slots[slot], now))
             reuse = 0
             if resident:
                 reuse = max(up_rec.slots[slot].tokens, live_tokens)
@@ -487,14 +492,29 @@ class Router:
                         reuse = max(reuse, meta.n_tokens)
             views.append(placing.ServerView(
                 url=url, up=healthy, draining=draining, slots=max(total, 1), busy=busy,
-                in_flight=self.in_flight(url), free=free, reuse=reuse, resident=resident))
+                in_flight=self.in_flight(url), free=free, reuse=reuse, resident=resident,
+                pending=pending))
         return views
+
+    def _handover_in_progress(self, url: str, slot: int, rec: SlotRecord, now: float) -> bool:
+        """A stale claim is either a session displaced from its slot (free to go where it
+        is cheapest) or one being handed over right now, in this or another process (claims
+        are written stale before the restore): then its slot's lease is held and the claim
+        is recent. Placing it elsewhere then would run it on two servers at once."""
+        if now - rec.claimed > HANDOVER_CLAIM_SECONDS:
+            return False
+        lease = self.locks.try_acquire(url, slot, exclusive=False)
+        if lease is None:
+            return True
+        lease.release()
+        return False
 
     def evacuate(self, url: str, session: str, timeout: float, save: bool = True) -> int:
         """The session leaves `url` (draining, saturated, or a baseline placement moved it):
         save its KV there if the server is up and it grew (under the slot's exclusive lease,
         so no request of it runs meanwhile), then drop its claim, so its next request is
-        restored wherever it is placed. Returns the tokens saved (0: nothing new saved)."""
+        restored wherever it is placed. Returns the tokens saved (0: nothing new saved; -1:
+        its slot stayed busy past `timeout`, nothing changed)."""
         up = self.state.read().upstreams.get(url)
         slot = up.slot_of(session) if up is not None else None
         if slot is None:
@@ -504,6 +524,8 @@ class Router:
         lease = None
         if save and info.healthy and not up.slots[slot].stale:
             lease = self.locks.acquire(url, slot, exclusive=True, timeout=timeout)
+            if lease is None:
+                return -1  # its slot stayed busy: the claim stays, it moves on a later request
         try:
             current = self.state.read().upstreams.get(url)
             rec = current.slots.get(slot) if current is not None else None

@@ -166,7 +166,8 @@ def merge(current: dict, check_upstreams: bool) -> list[dict[str, Any]]:
         out.append({"url": url, "reachable": live is not None if check_upstreams else None,
                     "error": error if check_upstreams else None,
                     "slot_count": len(live) if live is not None else None,
-                    "owned": len(claimed), "slots": slots})
+                    "owned": len(claimed), "slots": slots,
+                    "draining": bool(up.get("draining")), "pool": bool(up.get("pool"))})
     return out
 
 
@@ -243,7 +244,9 @@ def render(report: Report) -> str:
         reach = ("reachable" if up["reachable"] else f"not reachable: {up['error']}"
                  ) if up["reachable"] is not None else "not checked"
         count = f"{up['slot_count']} slots, " if up["slot_count"] is not None else ""
-        lines += ["", f"Upstream {up['url']}: {count}{up['owned']} owned, {reach}"]
+        pool = " (pool member, draining)" if up.get("draining") else (
+            " (pool member)" if up.get("pool") else "")
+        lines += ["", f"Upstream {up['url']}{pool}: {count}{up['owned']} owned, {reach}"]
         rows = [["SLOT", "SESSION", "KV", "NOW", "TOKENS", "SAVED", "LAST USE"]]
         for s in up["slots"]:
             rows.append([str(s["slot"]), s["session"] or "-", kv_state(s), busy(s),
