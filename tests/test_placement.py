@@ -129,3 +129,54 @@ def test_a_handover_in_progress_keeps_the_session_where_it_is() -> None:
     servers = [view(A, busy=2, in_flight=3, free=0, reuse=900), view(B, reuse=900)]
     chosen = place(servers, 1000)
     assert (chosen.url, chosen.leaving) == (B, None)
+
+
+# ---- the glue: options, the flow's destination, the comment --------------------------------
+
+def test_pool_options_are_checked_and_reach_the_router(tmp_path) -> None:
+    from mitmproxy import exceptions
+    from mitmproxy.test import taddons
+
+    from slotkeeper.addon import SlotKeeper
+
+    keeper = SlotKeeper()
+    with taddons.context(keeper) as tctx:
+        tctx.configure(keeper, slotkeeper_state_file=str(tmp_path / "state.json"))
+        assert not keeper.router.pooled  # empty: one upstream, as before
+        tctx.configure(keeper, slotkeeper_upstreams=[A, B + "/"],
+                       slotkeeper_placement=LEAST_BUSY)
+        assert keeper.router.config.upstreams == (A, B)
+        assert keeper.router.config.placement == LEAST_BUSY
+        with pytest.raises(exceptions.OptionsError, match="slotkeeper_upstreams"):
+            tctx.configure(keeper, slotkeeper_upstreams=["127.0.0.1:8081"])
+        with pytest.raises(exceptions.OptionsError):
+            tctx.configure(keeper, slotkeeper_placement="random")
+        assert keeper.router.config.upstreams == (A, B)  # a refused change keeps the router
+    keeper.pool.shutdown()
+    keeper.release_pool.shutdown()
+
+
+def test_a_flow_is_pointed_at_its_server_with_a_matching_host_header() -> None:
+    from mitmproxy.test import tflow
+
+    from slotkeeper.addon import point_at, upstream_of
+
+    flow = tflow.tflow()
+    flow.request.scheme, flow.request.host, flow.request.port = "http", "127.0.0.1", 8081
+    flow.request.headers["Host"] = "127.0.0.1:8081"
+    point_at(flow, B)
+    assert upstream_of(flow) == B
+    assert flow.request.headers["Host"] == "127.0.0.1:8082"
+    point_at(flow, "https://[::1]:9443")
+    assert upstream_of(flow) == "https://[::1]:9443"
+    assert flow.request.host == "::1"
+
+
+def test_the_flow_comment_names_the_server_briefly() -> None:
+    from slotkeeper.contentview import flow_comment
+
+    summary = {"session": "web-1", "slot": 1, "action": "restored"}
+    assert flow_comment(summary) == "web-1 #1 restored"  # one upstream: as before
+    assert flow_comment({**summary, "server": B}) == "web-1 #1 restored @8082"
+    assert flow_comment({**summary, "server": "http://gpu2:8080"}) == \
+        "web-1 #1 restored @gpu2:8080"

@@ -204,6 +204,9 @@ class SlotKeeper:
             if not header or not all(c.isalnum() or c in "-_" for c in header):
                 raise exceptions.OptionsError(
                     f"slotkeeper_session_headers: {header!r} is not a header name")
+        if opts.slotkeeper_placement not in placement.POLICIES:
+            raise exceptions.OptionsError(f"slotkeeper_placement must be one of "
+                                          f"{', '.join(placement.POLICIES)}")
         try:
             upstreams = tuple(placement.parse_upstreams(opts.slotkeeper_upstreams))
         except ValueError as e:
@@ -317,7 +320,8 @@ class SlotKeeper:
         # A kept session is the common case: one INFO line each cost ~0.2 ms on the hot path
         # (docs/BENCHMARKS.md); every other decision is worth its line.
         log.log(logging.DEBUG if route.action == KEPT else logging.INFO,
-                "%s (%s) -> slot %s, %s%s in %.1f ms", route.session, route.rule,
+                "%s (%s) -> %sslot %s, %s%s in %.1f ms", route.session, route.rule,
+                f"{route.upstream} ({route.placement}) " if route.placement else "",
                 route.slot, route.action, f" ({route.detail})" if route.detail else "",
                 route.ms)
 

@@ -129,7 +129,9 @@ def place(servers: Sequence[ServerView], prompt_tokens: int, policy: str = COST,
         return Placement(chosen.url, LEAST, _leaving(home, chosen))
     if policy != COST:
         raise ValueError(f"unknown placement policy {policy!r}")
-    best = min(candidates, key=lambda s: cost(s, prompt_tokens, weights))
+    # Ties go to the server with more free slots (sessions placed at the same moment spread
+    # out instead of displacing each other), then to the first.
+    best = min(candidates, key=lambda s: (cost(s, prompt_tokens, weights), -s.free))
     if home is not None and home.placeable:
         others = [s for s in candidates if s is not home]
         if home.pending or not saturated(home) or not others:

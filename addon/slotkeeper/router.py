@@ -599,11 +599,30 @@ class Router:
               path: str = "", body: dict | None = None) -> Route:
         started = time.monotonic()
         ident = self._resolve(url, ident)
+        reserved: list[str] = []
+        try:
+            return self._placed_route(url, ident, client_slot, path, body, started, reserved)
+        finally:
+            for held in reserved:
+                self._reserve(held, -1)
+
+    def _reserve(self, url: str, delta: int) -> None:
+        with self._mutex:
+            self._in_flight[url] = self._in_flight.get(url, 0) + delta
+            if self._in_flight[url] <= 0:
+                self._in_flight.pop(url, None)
+
+    def _placed_route(self, url: str, ident: Identity, client_slot: int | None, path: str,
+                      body: dict | None, started: float, reserved: list[str]) -> Route:
         chosen = None
         for _attempt in range(3):
             if self.pooled:
                 chosen = self.place(ident)
                 url = chosen.url
+                # Counted as in flight from now on, so requests placed at the same moment see
+                # it (the route, once made, counts itself; this reservation then ends).
+                self._reserve(url, +1)
+                reserved.append(url)
                 home = self.home_of(ident.session_id)
                 leaving = chosen.leaving or (home if home not in (None, url) else None)
                 if leaving is not None:
