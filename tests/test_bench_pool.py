@@ -1,6 +1,7 @@
 """The pure parts of scripts/bench-pool: the choice rule of the plain load balancers it compares
 slotkeeper's pool against (scripts/pool_baselines.py), the order of its requests and its sums
-(scripts/poolbench.py). No processes."""
+(scripts/poolbench.py), without processes; and the balancer addon itself in front of two
+real llama-servers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import requests
+from testbed import MITMDUMP, Proxy
+
+from slotkeeper.cli import set_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from pool_baselines import busy_slots, choose_upstream  # noqa: E402
@@ -115,3 +120,49 @@ def test_compare_says_who_prefills_less_and_answers_sooner() -> None:
     assert part["slotkeeper_prefills_less"] is True
     assert part["slotkeeper_faster"] is False
     assert part["prefilled_ratio"] == round(110 / 300, 3)
+
+
+# ---- the balancer addon with real llama-servers ----------------------------------------------
+
+BALANCER = Path(__file__).resolve().parents[1] / "scripts" / "pool_baselines.py"
+
+
+class BalancerProxy(Proxy):
+    """mitmdump with the baseline balancer addon (it has none of slotkeeper's options)."""
+
+    def command(self) -> list[str]:
+        cmd = [str(MITMDUMP), "-s", str(self.script), "--mode",
+               f"reverse:{self.upstream}@{self.port}", "--set", "listen_host=127.0.0.1",
+               "--set", f"confdir={self.workdir / 'confdir'}"]
+        for name, value in self.options.items():
+            cmd += set_args(name, value)
+        return cmd
+
+
+def ask(url: str) -> tuple[str, dict]:
+    """One small streamed chat turn; the server it went to, and the answer."""
+    with requests.post(url + "/v1/chat/completions", timeout=120, stream=True,
+                       json={"messages": [{"role": "user", "content": "Say hi."}],
+                             "max_tokens": 4, "temperature": 0, "stream": True}) as response:
+        assert response.status_code == 200, response.text[:500]
+        events = [line for line in response.iter_lines() if line.startswith(b"data: {")]
+        return response.headers["X-Pool-Upstream"], {"events": len(events)}
+
+
+@pytest.mark.parametrize("placement", ["round-robin", "least-busy"])
+def test_balancer_spreads_requests_and_skips_a_killed_server(make_llama, tmp_path: Path,
+                                                             placement: str) -> None:
+    servers = [make_llama(np=1, ctx=2048) for _ in range(2)]
+    urls = [s.url for s in servers]
+    proxy = BalancerProxy(urls[0], tmp_path / "balancer", script=BALANCER,
+                          options={"pool_upstreams": urls, "pool_placement": placement})
+    try:
+        proxy.start()
+        went = [ask(proxy.url) for _ in range(4)]
+        # One request at a time: both servers idle each time, so least-busy takes turns too.
+        assert [url for url, _ in went] == [urls[0], urls[1], urls[0], urls[1]]
+        assert all(answer["events"] >= 2 for _, answer in went)  # streamed, event by event
+        servers[1].kill()
+        assert [ask(proxy.url)[0] for _ in range(3)] == [urls[0]] * 3
+    finally:
+        proxy.stop()
