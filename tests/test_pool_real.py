@@ -250,3 +250,40 @@ def test_two_proxies_share_the_pool_and_a_session_is_on_one_server(make_llama, m
     for session, where in held.items():
         assert len(where) == 1, (session, where)
     assert {"shared-1", "race-0", "race-1"} <= set(held)
+
+
+def test_baseline_placements_for_the_benchmark(make_llama, make_proxy, tmp_path):
+    """round-robin and least-busy (slotkeeper_placement) place each request without looking at
+    the KV: what scripts/bench-pool compares the cost policy with."""
+    servers, slot_dir = start_pool(make_llama, tmp_path)
+    urls = [s.url for s in servers]
+    rr = pool_proxy(make_proxy, servers, slot_dir, slotkeeper_placement="round-robin")
+    c = Conversation("rr-1", long_system_prompt(350, seed=71))
+    placed = [server_of(c.ask(rr.url, q)) for q in ("One prime?", "Another?", "A third?")]
+    assert placed == [urls[0], urls[1], urls[0]], placed
+    # It moved every turn: the server it left no longer holds its claim.
+    assert claims(rr.state_file)["rr-1"] == [(urls[0], int(c.turns[-1].slot))]
+    least = pool_proxy(make_proxy, servers, slot_dir, slotkeeper_placement="least-busy",
+                       slotkeeper_state_file=str(tmp_path / "least.json"))
+    body = {"messages": [{"role": "user", "content": "Count from one to a thousand."}],
+            "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
+    stop = threading.Event()
+
+    def generate() -> None:
+        with requests.post(urls[0] + "/v1/chat/completions", json=body, stream=True,
+                           timeout=600) as r:
+            for _line in r.iter_lines():
+                if stop.is_set():
+                    break
+
+    busy = threading.Thread(target=generate)
+    busy.start()
+    try:
+        wait_for(lambda: any(s["is_processing"] for s in
+                             requests.get(urls[0] + "/slots", timeout=10).json()),
+                 30, "a slot of the first server busy")
+        t = Conversation("lb-1", long_system_prompt(350, seed=72)).ask(least.url, "One prime?")
+        assert server_of(t) == urls[1], t
+    finally:
+        stop.set()
+        busy.join()

@@ -451,7 +451,10 @@ class SlotKeeper:
             # before trusting any of them again; a pool member is taken out until its
             # /health answers again (the watcher probes it back in).
             self.router.mark_suspect(route.upstream)
-            if self.router.pooled and route.upstream in self.router.config.upstreams:
+            client_left = flow.error is not None and "client disconnected" in \
+                flow.error.msg.lower()
+            if (self.router.pooled and route.upstream in self.router.config.upstreams
+                    and not client_left):
                 if self.router.set_health(route.upstream, False):
                     log.warning("%s: no answer: taken out of the pool", route.upstream)
         # A client may leave as soon as it has the final event (seen with Codex exec, which
