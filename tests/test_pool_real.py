@@ -212,9 +212,19 @@ def test_drain_moves_sessions_out_and_takes_no_new_ones(make_llama, make_proxy, 
                          timeout=10).status_code == 404
     assert requests.post(proxy.url + "/api/upstreams/drain", data="{", timeout=10
                          ).status_code == 400
-    r = requests.post(proxy.url + "/api/upstreams/undrain", json={"upstream": home.url},
-                      timeout=10)
-    assert r.status_code == 200 and pool_view(proxy)[home.url]["draining"] is False
+    # Every server drained: a request gets a clear 503, not a traceback or a hang.
+    r = requests.post(proxy.url + "/api/upstreams/drain", json={"upstream": other.url},
+                      timeout=60)
+    assert r.status_code == 200 and {m["session"] for m in r.json()["moved"]} == {
+        "drain-1", "drain-2"}, r.text
+    r = requests.post(proxy.url + "/v1/chat/completions", headers={"X-Session-Id": "drain-3"},
+                      json={"messages": [{"role": "user", "content": "x" * 3000}],
+                            "max_tokens": 4}, timeout=60)
+    assert r.status_code == 503 and "down or draining" in r.text, (r.status_code, r.text)
+    for server in servers:
+        r = requests.post(proxy.url + "/api/upstreams/undrain", json={"upstream": server.url},
+                          timeout=10)
+        assert r.status_code == 200 and pool_view(proxy)[server.url]["draining"] is False
 
 
 def test_two_proxies_share_the_pool_and_a_session_is_on_one_server(make_llama, make_proxy,

@@ -315,13 +315,10 @@ class SlotKeeper:
         self.in_flight += 1
         describe(flow, ident, route)
         metrics.routed(flow.request.path, route)
-        if route.placement:
-            metrics.placed(route.upstream, route.placement)
         # A kept session is the common case: one INFO line each cost ~0.2 ms on the hot path
         # (docs/BENCHMARKS.md); every other decision is worth its line.
         log.log(logging.DEBUG if route.action == KEPT else logging.INFO,
-                "%s (%s) -> %sslot %s, %s%s in %.1f ms", route.session, route.rule,
-                f"{route.upstream} ({route.placement}) " if route.placement else "",
+                "%s (%s) -> slot %s, %s%s in %.1f ms", route.session, route.rule,
                 route.slot, route.action, f" ({route.detail})" if route.detail else "",
                 route.ms)
 
@@ -406,8 +403,6 @@ class SlotKeeper:
             headers["X-Slotkeeper-Slot"] = "" if route.slot is None else str(route.slot)
             headers["X-Slotkeeper-Source"] = route.rule
             headers["X-Slotkeeper-Action"] = route.action
-            if self.router is not None and self.router.pooled:
-                headers["X-Slotkeeper-Upstream"] = route.upstream
         if streamed and route is not None:
             # Pass each event on as it arrives; watch for the final event's timings.
             watcher = SseTimingsWatcher()
@@ -420,6 +415,8 @@ class SlotKeeper:
                 translation.stream if read is None
                 else lambda chunk: translation.stream(read(chunk)))
             translation.response_headers(flow.response)
+        if route is not None and self.router is not None and self.router.pooled:
+            headers["X-Slotkeeper-Upstream"] = route.upstream  # which server of the pool
 
     async def response(self, flow: http.HTTPFlow) -> None:
         route: Route | None = flow.metadata.pop(ROUTE_KEY, None)

@@ -133,6 +133,8 @@ def request(path: str, action: str) -> None:
 
 def routed(path: str, route: Route) -> None:
     REQUESTS.labels(endpoint_of(path), route.action).inc()
+    if route.placement:
+        placed(route.upstream, route.placement)
     ROUTING_SECONDS.labels(route.action).observe(max(route.ms, 0.0) / 1000)
 
 

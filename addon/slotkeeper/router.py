@@ -645,6 +645,7 @@ class Router:
             raise NoUpstream("the session's placement kept changing under other processes")
         if chosen is not None:
             route.placement = chosen.reason
+            log.info("%s placed on %s (%s)", ident.session_id, url, chosen.reason)
         route.messages = ident.message_count
         route.seed_key = ident.seed_key
         route.ms = (time.monotonic() - started) * 1000
