@@ -321,13 +321,8 @@ class Router:
         return before
 
     def _leave(self, url: str, session: str) -> None:
-        key = (url, session)
         with self._mutex:
-            left = self._running.get(key, 1) - 1
-            if left > 0:
-                self._running[key] = left
-            else:
-                self._running.pop(key, None)
+            _count_down(self._running, (url, session))
 
     def _remember(self, url: str, session: str, ident: Identity) -> Conversation:
         """The session's main conversation is now this request's."""
@@ -359,11 +354,7 @@ class Router:
 
     def _request_ended(self, url: str) -> None:
         with self._mutex:
-            left = self._in_flight.get(url, 1) - 1
-            if left > 0:
-                self._in_flight[url] = left
-            else:
-                self._in_flight.pop(url, None)
+            _count_down(self._in_flight, url)
 
     def in_flight(self, url: str) -> int:
         return self._in_flight.get(url, 0)
@@ -1173,6 +1164,15 @@ class Router:
             rec = self.state.read().upstreams[url].slots[slot]
             return self.save_slot(url, info, slot, session,
                                   info.messages_of(session, rec.messages)) > 0
+
+
+def _count_down(counts: dict[K, int], key: K) -> None:
+    """One less of `key` running; a count that reaches 0 leaves the dict (it stays bounded)."""
+    left = counts.get(key, 1) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 def _resident_slot(doc: StateDoc, url: str, session: str) -> int | None:
