@@ -205,8 +205,7 @@ def _lowercase_headers(headers: object) -> dict[str, str]:
     fields = getattr(headers, "fields", None)
     if isinstance(fields, tuple):
         # mitmproxy's Headers: its raw (name, value) byte pairs, decoded as Headers decodes
-        # them. Its items() looks every name up again (joining repeats), which cost more than
-        # all the rest of identify on the hot path (docs/BENCHMARKS.md).
+        # them, read once; its items() looks every name up again to join repeats.
         items = fields
     else:
         items = headers.items() if isinstance(headers, Mapping) else ()
