@@ -91,7 +91,8 @@ json_values = st.recursive(
     max_leaves=12)
 
 
-@given(st.dictionaries(st.text(), json_values, max_size=6), st.one_of(st.none(), st.integers(0, 64)),
+@given(st.dictionaries(st.text(), json_values, max_size=6),
+       st.one_of(st.none(), st.integers(0, 64)),
        st.sampled_from([{}, {"indent": 1}, {"ensure_ascii": False}]))
 def test_pin_means_the_same_whichever_path_it_takes(data, slot, style):
     raw = json.dumps(data, **style).encode()
