@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .bodies import SSE_DONE, sse_data
+
 MESSAGES_ROUTE = "/v1/messages"
 CHAT_ROUTE = "/v1/chat/completions"
 
@@ -415,15 +417,9 @@ class StreamTranslator:
             return b""
         if line.startswith(b":"):
             return line + b"\n\n"  # a keep-alive comment: pass it on, clients ignore it
-        if not line.startswith(b"data:"):
-            return b""  # `event:`/`id:` lines: llama-server's chat stream sends none
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
+        event = sse_data(line)  # `event:`/`id:` lines: llama-server's chat stream sends none
+        if event == SSE_DONE:
             return self._end()
-        try:
-            event = json.loads(payload)
-        except (ValueError, RecursionError):
-            return b""
         if not isinstance(event, dict):
             return b""
         if "error" in event:  # the server failed mid-stream: it ends the stream after this

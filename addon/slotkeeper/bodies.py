@@ -161,6 +161,25 @@ def pin(data: dict[str, Any], slot: int | None, raw: bytes | None = None) -> byt
         return json.dumps(out, separators=(",", ":")).encode()
 
 
+SSE_DONE = "[DONE]"
+
+
+def sse_data(line: bytes) -> dict[str, Any] | str | None:
+    """One line of llama-server's OpenAI-style event stream, for the translations that rewrite
+    it: the JSON object of a `data:` line, SSE_DONE for `data: [DONE]`, None for anything else
+    (blank separators, other fields, a payload that is not a JSON object)."""
+    if not line.startswith(b"data:"):
+        return None
+    payload = line[5:].strip()
+    if payload == b"[DONE]":
+        return SSE_DONE
+    try:
+        event = json.loads(payload)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    return event if isinstance(event, dict) else None
+
+
 @dataclass(frozen=True)
 class Timings:
     cache_n: int  # prompt tokens reused from the slot

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from .bodies import SSE_DONE, sse_data
+
 # What /api/version reports. OpenWebUI compares versions numerically (it keeps the lowest of
 # its backends), so this must be plain dotted numbers; it names the Ollama API level whose
 # request and response fields this surface follows, not a slotkeeper release.
@@ -613,19 +615,13 @@ class StreamTranslator:
     def _line(self, line: bytes) -> bytes:
         if line.startswith(b"error:"):
             return self._error_line(upstream_error(500, line[6:].strip()))
-        if not line.startswith(b"data:"):
-            return b""  # blank separators, comments, event names
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
+        event = sse_data(line)  # None: blank separators, comments, event names
+        if event == SSE_DONE:
             return self._end()
-        try:
-            event = json.loads(payload)
-        except (ValueError, UnicodeDecodeError):
-            return b""
         if not isinstance(event, dict):
             return b""
         if "error" in event:
-            return self._error_line(upstream_error(500, payload))
+            return self._error_line(upstream_error(500, line[5:].strip()))
         if isinstance(event.get("timings"), dict):
             self._timings = event["timings"]
         if self.shaper.kind in (GENERATE_RAW, GENERATE_INFILL):
