@@ -122,7 +122,8 @@ class SessionAdmin:
         moved, busy = [], []
         up = router.state.read().upstreams.get(url)
         for rec in list(up.slots.values()) if up else []:
-            saved = router.evacuate(url, rec.owner, ADMIN_LOCK_TIMEOUT)
+            with router.placing(rec.owner):  # a request of it placing meanwhile waits
+                saved = router.evacuate(url, rec.owner, ADMIN_LOCK_TIMEOUT)
             if saved < 0:
                 busy.append(rec.owner)
             else:

@@ -8,6 +8,7 @@ processes do."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -115,26 +116,47 @@ class SlotLocks:
         the wait is for another request on the same slot, so 20 ms steps lose little."""
         return _poll(lambda: self.try_acquire(upstream, slot, exclusive), timeout)
 
-    # ---- one save pipeline per snapshot --------------------------------------------------------
-
-    def snapshot_path(self, snapshot_id: str) -> Path:
-        tag = hashlib.sha256(snapshot_id.encode("utf-8", "surrogatepass")).hexdigest()[:24]
-        return self.folder / f"snapshot-{tag}.lock"
+    # ---- one save pipeline per snapshot, one placement per session ----------------------------
 
     def snapshot(self, snapshot_id: str, timeout: float) -> SlotLease | None:
         """The lock of one session's (or seed's) snapshot files, held across save, verify,
         commit and the meta write, and around every read-modify-write of its meta, in every
         thread and process (issue #11 fault 4). Exclusive; None after `timeout` seconds."""
-        path = self.snapshot_path(snapshot_id)
+        return self._exclusive(self._named_path("snapshot", snapshot_id), timeout)
+
+    def placement(self, session: str, timeout: float) -> SlotLease | None:
+        """The lock of one session's placement on a pool of servers, held from reading the
+        servers' views until its claim is written (issue #13): two processes placing the same
+        new session at once would otherwise each see it nowhere and send its two requests to
+        two servers. Exclusive; None after `timeout` seconds."""
+        return self._exclusive(self._named_path("placement", session), timeout)
+
+    def _named_path(self, kind: str, name: str) -> Path:
+        # A digest, never the name itself: session ids come from clients (hostile).
+        tag = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+        return self.folder / f"{kind}-{tag}.lock"
+
+    @staticmethod
+    def _exclusive(path: Path, timeout: float) -> SlotLease | None:
+        """A lock file per name would pile up (one per session ever seen), so the holder
+        removes it on release; whoever locked the removed file retries on the new one."""
 
         def attempt() -> SlotLease | None:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+                if os.fstat(fd).st_ino != os.stat(path).st_ino:
+                    raise BlockingIOError  # locked a file its holder had just removed
+            except (BlockingIOError, FileNotFoundError):
                 os.close(fd)
                 return None
-            return SlotLease(fd, exclusive=True)
+
+            def remove_and_close() -> None:
+                with contextlib.suppress(OSError):
+                    path.unlink()  # before the close: nobody can lock it and see it vanish
+                os.close(fd)
+
+            return SlotLease(fd, exclusive=True, on_release=remove_and_close)
 
         return _poll(attempt, timeout)
 

@@ -15,8 +15,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path  # noqa: F401 (kept for callers that import it from here)
 from typing import Generic, TypeVar
@@ -605,6 +605,30 @@ class Router:
 
     def _placed_route(self, url: str, ident: Identity, client_slot: int | None, path: str,
                       body: dict | None, started: float, reserved: list[str]) -> Route:
+        if not self.pooled:
+            return self._place_and_walk(url, ident, client_slot, path, body, started, reserved)
+        with self.placing(ident.session_id):
+            return self._place_and_walk(url, ident, client_slot, path, body, started, reserved)
+
+    @contextmanager
+    def placing(self, session: str) -> Iterator[None]:
+        """One placement of a session at a time, in every process: from reading the pool's
+        views until its claim is written, so a second request of a new session sees where
+        the first one went (pending or resident there) and follows it. A lock that stays
+        taken past lock_timeout is passed by (logged): the claim checks in `_claim` still
+        refuse a second server while the first is live."""
+        lease = self.locks.placement(session, self.config.lock_timeout)
+        if lease is None:
+            log.warning("%s: placement lock still held after %.0f s; placing without it",
+                        session, self.config.lock_timeout)
+        try:
+            yield
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def _place_and_walk(self, url: str, ident: Identity, client_slot: int | None, path: str,
+                        body: dict | None, started: float, reserved: list[str]) -> Route:
         chosen = None
         for _attempt in range(3):
             if self.pooled:
