@@ -130,6 +130,25 @@ def test_timings_in_json():
     assert bodies.timings_in_json(b'{"timings": {"cache_n": "x"}}') is None
 
 
+def test_timings_are_read_from_the_end_of_a_whole_answer():
+    """Only the trailing `timings` object is parsed; what the model wrote is never taken for
+    it, and an answer whose tail is not a timings object is parsed whole."""
+    real = {"cache_n": 599, "prompt_n": 1, "predicted_n": 3, "prompt_ms": 5.5}
+    fooled = json.dumps({"choices": [{"message": {"content": '{"timings":{"cache_n":7}}'}}],
+                         "timings": real}, separators=(",", ":")).encode()
+    assert bodies.timings_in_json(fooled) == bodies.Timings(599, 1, 3, 5.5)
+    # The text alone (no real timings): its escaped key is not read as one.
+    text_only = json.dumps({"content": '"timings":{"cache_n":7}',
+                            "usage": {"cache_read_input_tokens": 2, "input_tokens": 3,
+                                      "output_tokens": 1}}).encode()
+    assert bodies.timings_in_json(text_only) == bodies.Timings(2, 3, 1, 0.0)
+    # Spaces after the colon, as another server might write them.
+    spaced = b'{"id": "x", "timings": {"cache_n": 4, "prompt_n": 2}}'
+    assert bodies.timings_in_json(spaced) == bodies.Timings(4, 2, 0, 0.0)
+    # A truncated tail falls back to the whole parse, which fails: no timings, no exception.
+    assert bodies.timings_in_json(b'{"timings":{"cache_n":4,') is None
+
+
 def test_anthropic_usage_is_read_when_there_are_no_timings():
     body = b'{"type":"message","usage":{"cache_read_input_tokens":11,"input_tokens":41,"output_tokens":4}}'
     assert bodies.timings_in_json(body) == bodies.Timings(11, 41, 4, 0.0)

@@ -19,7 +19,9 @@ def run(surface: OllamaSurface, method: str, path: str, body: object = None,
                           (json.dumps(body).encode() if body is not None else b""))
     flow = tflow.tflow(req=request)
     flow.client_conn.sockname = ("127.0.0.1", port)
-    asyncio.run(surface.request(flow))
+    pending = surface.request(flow)  # as mitmproxy calls a hook: await what it returns
+    if pending is not None:
+        asyncio.run(pending)
     return flow
 
 

@@ -431,6 +431,8 @@ class SlotKeeper:
             translation.whole(flow.response)  # after the timings were read from the original
         if route is None or self.router is None:
             return
+        if flow.response is not None:
+            self.router.note_answer(route.upstream, flow.response.status_code)
         metrics.timings(route.upstream, timings)
         if timings is not None:
             flow.metadata[SUMMARY_KEY].update(reused=timings.cache_n, prefilled=timings.prompt_n)
@@ -535,6 +537,11 @@ class SlotKeeper:
                 continue
             pool = set(router.config.upstreams)
             for url, info in router.known_upstreams():
+                if info.healthy and info.answered_within(HEALTH_POLL_SECONDS):
+                    # It answered a request since the last round: up. A restart keeps a
+                    # server down for over a second (measured), so a later round, with no
+                    # answer in the half second before it, still asks it and sees the gap.
+                    continue
                 if url in pool:
                     await self._probe_member(router, url, info)
                     continue

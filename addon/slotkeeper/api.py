@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import re
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -40,12 +41,17 @@ class SessionApi:
     def __init__(self, keeper: SlotKeeper) -> None:
         self.keeper = keeper
 
-    async def request(self, flow: http.HTTPFlow) -> None:
+    def request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+        """Answers the API's own paths; any other request passes on without a coroutine being
+        made for it (every request meets this hook)."""
         path = flow.request.path.split("?", 1)[0]
         pool = path == POOL_PREFIX or path.startswith(POOL_PREFIX + "/")
         if flow.response is not None or not (
                 pool or path == PREFIX or path.startswith(PREFIX + "/")):
-            return
+            return None
+        return self._answer(flow, path, pool)
+
+    async def _answer(self, flow: http.HTTPFlow, path: str, pool: bool) -> None:
         flow.marked = ":gear:"
         flow.comment = "slotkeeper API"
         denied = management_access(flow, self.keeper.api_token)

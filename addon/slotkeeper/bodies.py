@@ -241,7 +241,24 @@ def _timings_from_usage(usage: dict, earlier: Timings | None) -> Timings | None:
     return None  # chat completions' usage: their `timings` are read instead
 
 
+_TIMINGS_KEY = b'"timings":'
+_DECODER = json.JSONDecoder()
+
+
 def timings_in_json(raw: bytes) -> Timings | None:
+    """The token counts of a non-streamed answer. llama-server writes `timings` as the last
+    key of its answer, so only that object is parsed (the answer before it can be long: the
+    whole parse was the response hook's largest cost on a kept turn, docs/BENCHMARKS.md); an
+    answer without it (`usage` only, or an escaped `\"timings\":` inside a text) is parsed
+    whole."""
+    at = raw.rfind(_TIMINGS_KEY)
+    if at > 0 and raw[at - 1:at] != b"\\":
+        try:
+            found, _end = _DECODER.raw_decode(raw[at + len(_TIMINGS_KEY):].decode().lstrip())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            found = None
+        if isinstance(found, dict):
+            return timings_from({"timings": found})
     try:
         return timings_from(json.loads(raw))
     except (UnicodeDecodeError, json.JSONDecodeError):

@@ -12,11 +12,12 @@ bad value: metrics must not break routing."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -126,16 +127,24 @@ def endpoint_of(path: str) -> str:
     return route[:-1] if len(route) > 1 and route.endswith("/") else route
 
 
+@functools.cache
+def _child(metric: Any, *labels: str) -> Any:
+    """A labelled series of `metric`, looked up once: `labels()` validates and locks on every
+    call, a cost each request paid twice on the hot path. The keys are the metric's own label
+    values (few: endpoints, actions, kinds), which prometheus_client keeps for good anyway."""
+    return metric.labels(*labels)
+
+
 def request(path: str, action: str) -> None:
     """A completion request that was not routed (passed through, rejected, or an error)."""
-    REQUESTS.labels(endpoint_of(path), action).inc()
+    _child(REQUESTS, endpoint_of(path), action).inc()
 
 
 def routed(path: str, route: Route) -> None:
-    REQUESTS.labels(endpoint_of(path), route.action).inc()
+    _child(REQUESTS, endpoint_of(path), route.action).inc()
     if route.placement:
         placed(route.upstream, route.placement)
-    ROUTING_SECONDS.labels(route.action).observe(max(route.ms, 0.0) / 1000)
+    _child(ROUTING_SECONDS, route.action).observe(max(route.ms, 0.0) / 1000)
 
 
 def placed(upstream: str, reason: str) -> None:
@@ -148,8 +157,8 @@ def timings(upstream: str, t: Timings | None) -> None:
     if t is None:
         return
     cache_n, prompt_n = max(t.cache_n, 0), max(t.prompt_n, 0)
-    PROMPT_TOKENS.labels("reused").inc(cache_n)
-    PROMPT_TOKENS.labels("prefilled").inc(prompt_n)
+    _child(PROMPT_TOKENS, "reused").inc(cache_n)
+    _child(PROMPT_TOKENS, "prefilled").inc(prompt_n)
     with _LOCK:
         speed = _SPEED.get(upstream)
         if prompt_n >= EMA_MIN_TOKENS and t.prompt_ms > 0:
@@ -319,14 +328,19 @@ class MetricsEndpoint:
     def load(self, loader) -> None:
         bind(self.keeper)
 
-    async def request(self, flow: http.HTTPFlow) -> None:
+    def request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+        """Answers /metrics; any other request passes on without a coroutine being made for it
+        (every request meets this hook)."""
+        if flow.response is not None or not _METRICS_PATH.match(
+                flow.request.path.split("?", 1)[0]):
+            return None
+        return self._answer(flow)
+
+    async def _answer(self, flow: http.HTTPFlow) -> None:
         from mitmproxy import http
 
         from .access import management_access
 
-        if flow.response is not None or not _METRICS_PATH.match(
-                flow.request.path.split("?", 1)[0]):
-            return
         flow.marked = ":information_source:"  # ℹ: drawn by text fonts, unlike emoji
         flow.comment = "slotkeeper metrics"
         denied = management_access(flow, self.keeper.api_token)

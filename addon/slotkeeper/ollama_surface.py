@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -105,9 +105,11 @@ class OllamaSurface:
 
     # ---- routing ---------------------------------------------------------------------------
 
-    async def request(self, flow: http.HTTPFlow) -> None:
+    def request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+        """Ollama's routes; any other request passes on without a coroutine being made for it
+        (every request meets this hook)."""
         if flow.response is not None:
-            return
+            return None
         req = flow.request
         path = req.path.split("?", 1)[0]
         if len(path) > 1:
@@ -116,15 +118,18 @@ class OllamaSurface:
             if req.method in ("GET", "HEAD") and self._on_ollama_port(flow):
                 flow.response = http.Response.make(200, ollama.RUNNING_TEXT,
                                                    {"Content-Type": "text/plain; charset=utf-8"})
-            return
+            return None
         if not path.startswith("/api/") or path.startswith("/api/sessions"):
-            return
+            return None
         flow.marked = ":gear:"  # ⚙ like the session API: answered by the proxy itself
+        return self._answer(flow, path)
+
+    async def _answer(self, flow: http.HTTPFlow, path: str) -> None:
         try:
             await self._dispatch(flow, path)
         except OllamaError as e:
             flow.response = ollama_error(e.status, e.message)
-            log.info("%s %s answered %d: %s", req.method, path, e.status, e.message)
+            log.info("%s %s answered %d: %s", flow.request.method, path, e.status, e.message)
 
     def _on_ollama_port(self, flow: http.HTTPFlow) -> bool:
         sockname = flow.client_conn.sockname

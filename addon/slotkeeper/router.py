@@ -143,6 +143,10 @@ class UpstreamInfo:
     last_seen: Recent[str, Seen] = field(default_factory=lambda: Recent(MAX_REMEMBERED_SESSIONS))
     cleared_warned: bool = False
     healthy: bool = True  # pool member answering /health (the watcher probes it back in)
+    answered_at: float = float("-inf")  # time.monotonic() of its last 200 to a routed request
+
+    def answered_within(self, seconds: float) -> bool:
+        return time.monotonic() - self.answered_at < seconds
 
     def messages_of(self, session: str, recorded: int) -> int:
         """Messages in the session's slot: the state file's count lags by the coalescing
@@ -218,6 +222,18 @@ class Router:
     def known_upstreams(self) -> list[tuple[str, UpstreamInfo]]:
         with self._mutex:
             return list(self._upstreams.items())
+
+    def note_answer(self, url: str, status: int) -> None:
+        """A routed request got its answer. A 200 shows the server up (the health watcher
+        need not ask it this round); a 503 is what llama-server answers while it loads a
+        model, after a restart: verify its slots before trusting them."""
+        info = self._upstreams.get(url)
+        if info is None:
+            return
+        if status == 200:
+            info.answered_at = time.monotonic()
+        elif status == 503:
+            info.suspect = True
 
     def mark_suspect(self, url: str) -> None:
         """The upstream may have restarted (a failed connection, a cold answer where the KV
