@@ -137,3 +137,29 @@ def test_readme_documents_the_settings_the_suite_uses(tmp_path: Path) -> None:
     assert f'"baseURL": "{options["baseURL"]}"' in section
     assert f'"model": "{opencode["model"]}"' in section
     assert f'"small_model": "{opencode["small_model"]}"' in section
+
+
+@pytest.mark.parametrize("client", CLIENT_NAMES)
+def test_seed_key_is_the_digest_of_system_and_canonical_tools(client: str) -> None:
+    """The seed key (and the chain's first link) is built around the tools' JSON made once;
+    it must stay the digest of the full {"system", "tools"} object it always was, or every
+    seed and every recorded conversation would stop matching after an upgrade."""
+    import hashlib
+
+    from slotkeeper import identity
+
+    checked = 0
+    for entry in load(client):
+        prompt = identity._read_prompt(entry["path"], entry["body"])
+        tools = entry["body"].get("tools") if isinstance(entry["body"], dict) else None
+        canonical = identity._canonical(tools) if isinstance(tools, list) and tools else None
+        whole = json.dumps({"system": identity._hashable_system(prompt.system_parts),
+                            "tools": canonical},
+                           ensure_ascii=True, sort_keys=True, separators=(",", ":"))
+        assert identity._system_digest(prompt) == hashlib.sha256(whole.encode()).hexdigest()
+        if canonical is not None:
+            exact = len(json.dumps(canonical, ensure_ascii=False, sort_keys=True,
+                                   separators=(",", ":")))
+            assert abs(prompt.tools_chars - exact) <= exact // 100, (prompt.tools_chars, exact)
+            checked += 1
+    assert checked, f"no request with tools in the {client} corpus"

@@ -128,7 +128,7 @@ class _Prompt:
     system_parts: tuple[str, ...] = ()  # system text as sent (billing block included)
     first_user_parts: tuple[str, ...] = ()
     raw_prompt: str | None = None  # /completion, /infill: the prompt text in server order
-    tools: Any = None  # canonical tools, or None
+    tools_json: str | None = None  # the canonical tools as sorted ASCII JSON, or None
     tools_chars: int = 0
     message_chars: int = 0
     message_count: int = 0
@@ -152,7 +152,7 @@ def identify(path: str, headers: Mapping[str, str], body: object,
         parent_id=parent,
         prompt_chars=system_chars + prompt.message_chars,
         message_count=prompt.message_count,
-        seed_key=system_digest if prompt.tools or _hashable_system(prompt.system_parts)
+        seed_key=system_digest if prompt.tools_json or _hashable_system(prompt.system_parts)
         else None,
         system_chars=system_chars,
         chain=_chain(prompt, system_digest),
@@ -372,7 +372,13 @@ def _system_digest(prompt: _Prompt) -> str:
     chain's first link. Without the request's `model`: llama-server serves one model whatever
     name a client sends, so one system prompt under two aliases is one seed (the seed's meta
     fingerprint still ties it to the server's real model)."""
-    return _digest({"system": _hashable_system(prompt.system_parts), "tools": prompt.tools})
+    # The text _digest({"system": ..., "tools": canonical tools}) would hash, built around the
+    # tools' JSON made once in _tools (a coding agent's tools are tens of KB: dumping them
+    # twice was most of identify's time on a Claude Code request, docs/BENCHMARKS.md).
+    system = json.dumps(_hashable_system(prompt.system_parts), ensure_ascii=True,
+                        separators=(",", ":"))
+    text = f'{{"system":{system},"tools":{prompt.tools_json or "null"}}}'
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 # Roles whose text the chain leaves out: a client re-sends its model's earlier replies the
@@ -380,11 +386,6 @@ def _system_digest(prompt: _Prompt) -> str:
 # break every conversation's chain at each turn. What the user and the tools said is what
 # tells two conversations apart; the reply only counts as a message in its place.
 REPLY_ROLES = frozenset({"assistant", "model"})
-
-
-def _chain_item(message: object) -> tuple[str | None, tuple[str, ...]]:
-    role = _role(message)
-    return (role, ()) if role in REPLY_ROLES else (role, tuple(_texts(message)))
 
 
 def _chain(prompt: _Prompt, system_digest: str) -> tuple[str, ...]:
@@ -483,16 +484,24 @@ def _read_conversation(body: dict, top_system: tuple[str, ...], messages: object
         system_parts.extend(_texts(items[start].get("content")))
         start += 1
     rest = items[start:]
-    tools, tools_chars = _tools(body.get("tools"))
+    tools_json, tools_chars = _tools(body.get("tools"))
+    # One walk over the messages' texts serves both the size and the chain.
+    message_chars = 0
+    messages = []
+    for message in rest:
+        role = _role(message)
+        texts = tuple(_texts(message))
+        message_chars += sum(len(text) for text in texts)
+        messages.append((role, () if role in REPLY_ROLES else texts))
     return _Prompt(
         model=_model(body),
         system_parts=tuple(system_parts),
         first_user_parts=_first_user_parts(rest),
-        tools=tools,
+        tools_json=tools_json,
         tools_chars=tools_chars,
-        message_chars=sum(len(text) for text in _texts(rest)),
+        message_chars=message_chars,
         message_count=len(items),
-        messages=tuple(_chain_item(m) for m in rest),
+        messages=tuple(messages),
     )
 
 
@@ -501,9 +510,9 @@ def _read_responses(body: dict) -> _Prompt:
     leading = (instructions,) if isinstance(instructions, str) and instructions else ()
     given = body.get("input")
     if isinstance(given, str):
-        tools, tools_chars = _tools(body.get("tools"))
+        tools_json, tools_chars = _tools(body.get("tools"))
         return _Prompt(model=_model(body), system_parts=leading,
-                       first_user_parts=(given,) if given else (), tools=tools,
+                       first_user_parts=(given,) if given else (), tools_json=tools_json,
                        tools_chars=tools_chars, message_chars=len(given),
                        message_count=1 if given else 0,
                        messages=(("user", (given,)),) if given else ())
@@ -549,13 +558,17 @@ def _texts(value: object, depth: int = 0) -> Iterator[str]:
             yield from _texts(item, depth + 1)
 
 
-def _tools(tools: object) -> tuple[Any, int]:
-    """(canonical tools, characters of their JSON); (None, 0) when there are none."""
+def _tools(tools: object) -> tuple[str | None, int]:
+    """(the canonical tools as sorted ASCII JSON, about as many characters as their JSON has);
+    (None, 0) when there are none. The count takes each \\u escape as the one character it
+    stands for (a literal backslash-u in a description is counted 5 short): dumping 48 KB of
+    Claude Code's tools a second time unescaped, to count them exactly, cost ~0.25 ms a
+    request for a size that is only ever an estimate (the prompt's size, in characters)."""
     if not isinstance(tools, list) or not tools:
         return None, 0
-    canonical = _canonical(tools)
-    text = json.dumps(canonical, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
-    return canonical, len(text)
+    text = json.dumps(_canonical(tools), ensure_ascii=True, sort_keys=True,
+                      separators=(",", ":"))
+    return text, len(text) - 5 * text.count("\\u")
 
 
 def _canonical(value: object, depth: int = 0) -> Any:
