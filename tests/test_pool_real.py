@@ -227,8 +227,9 @@ def test_drain_moves_sessions_out_and_takes_no_new_ones(make_llama, make_proxy, 
         assert r.status_code == 200 and pool_view(proxy)[server.url]["draining"] is False
 
 
-def test_two_proxies_share_the_pool_and_a_session_is_on_one_server(make_llama, make_proxy,
-                                                                   tmp_path):
+def two_proxies_and_a_shared_session(make_llama, make_proxy, tmp_path: Path):
+    """Two proxy processes sharing one pool and one state file, and one session whose first
+    turn went through the first proxy and second through the other."""
     servers, slot_dir = start_pool(make_llama, tmp_path)
     state = tmp_path / "shared-state.json"
     proxies = [pool_proxy(make_proxy, servers, slot_dir, slotkeeper_state_file=str(state))
@@ -236,19 +237,21 @@ def test_two_proxies_share_the_pool_and_a_session_is_on_one_server(make_llama, m
     c = Conversation("shared-1", long_system_prompt(350, seed=51))
     t1 = c.ask(proxies[0].url, "Name one prime number.")
     t2 = c.ask(proxies[1].url, "And another one?")
+    return proxies, state, c, t1, t2
+
+
+def test_two_proxies_share_the_pool_and_a_session_is_on_one_server(make_llama, make_proxy,
+                                                                   tmp_path):
+    _proxies, _state, _c, t1, t2 = two_proxies_and_a_shared_session(make_llama, make_proxy,
+                                                                    tmp_path)
     assert (server_of(t2), t2.action) == (server_of(t1), "kept"), t2
     assert t2.cache_n >= 0.9 * t1.prompt_tokens, t2
 
 
 def test_one_new_session_placed_by_two_proxies_at_once_stays_on_one_server(
         make_llama, make_proxy, tmp_path):
-    servers, slot_dir = start_pool(make_llama, tmp_path)
-    state = tmp_path / "shared-state.json"
-    proxies = [pool_proxy(make_proxy, servers, slot_dir, slotkeeper_state_file=str(state))
-               for _ in range(2)]
-    c = Conversation("shared-1", long_system_prompt(350, seed=51))
-    t1 = c.ask(proxies[0].url, "Name one prime number.")
-    t2 = c.ask(proxies[1].url, "And another one?")
+    proxies, state, c, t1, t2 = two_proxies_and_a_shared_session(make_llama, make_proxy,
+                                                                  tmp_path)
     # The same new sessions sent through both proxies at the same moment: each ends on one
     # server, whichever proxy placed it first.
     pairs = [(Conversation(f"race-{i}", long_system_prompt(350, seed=60 + i)),
