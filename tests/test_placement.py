@@ -142,7 +142,7 @@ def test_pool_options_are_checked_and_reach_the_router(tmp_path) -> None:
     keeper = SlotKeeper()
     with taddons.context(keeper) as tctx:
         tctx.configure(keeper, slotkeeper_state_file=str(tmp_path / "state.json"))
-        assert not keeper.router.pooled  # empty: one upstream, as before
+        assert not keeper.router.pool.pooled  # empty: one upstream, as before
         tctx.configure(keeper, slotkeeper_upstreams=[A, B + "/"],
                        slotkeeper_placement=LEAST_BUSY)
         assert keeper.router.config.upstreams == (A, B)

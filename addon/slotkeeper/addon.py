@@ -21,8 +21,9 @@ from .identity import Identity, IdentityConfig, identify
 from .locks import SlotLocks
 from .messages import AnthropicMessages
 from .ollama_surface import OllamaSurface
-from .router import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, UNPINNED,
-                     NoUpstream, Route, Router, RouterConfig)
+from .router import Router
+from .routes import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, UNPINNED,
+                     NoUpstream, Route, RouterConfig)
 from .slotfiles import SlotFolder
 from .state import StateFile
 from .translation import translation_of
@@ -327,15 +328,15 @@ class SlotKeeper:
         """Pool: a request that is not placed (listings, /props, ...) goes to a server that
         is up, not necessarily the reverse mode's first one."""
         router = self.router
-        if router is not None and router.pooled and flow.response is None:
-            url = router.any_upstream()
+        if router is not None and router.pool.pooled and flow.response is None:
+            url = router.pool.any_upstream()
             if url is not None:
                 point_at(flow, url)
 
     async def _route(self, flow: http.HTTPFlow, ident: Identity,
                      client_slot: int | None, data: dict) -> Route | None:
         route = await self._place_and_route(flow, ident, client_slot, data)
-        if route is not None and self.router is not None and self.router.pooled:
+        if route is not None and self.router is not None and self.router.pool.pooled:
             point_at(flow, route.upstream)
         return route
 
@@ -343,13 +344,13 @@ class SlotKeeper:
                                client_slot: int | None, data: dict) -> Route | None:
         assert self.router is not None
         url = upstream_of(flow)
-        if self.router.pooled:
+        if self.router.pool.pooled:
             # The fast path only for a session resident on a server that can keep it; the
             # slow path places every other request (router.place).
-            url = self.router.sticky_upstream(ident.session_id) or ""
+            url = self.router.pool.sticky_upstream(ident.session_id) or ""
         route = (self.router.try_keep(url, ident) if client_slot is None and url else None)
         if route is not None:
-            if self.router.pooled:
+            if self.router.pool.pooled:
                 route.placement = placement.STAY
             return route
         try:
@@ -420,7 +421,7 @@ class SlotKeeper:
                 translation.stream if read is None
                 else lambda chunk: translation.stream(read(chunk)))
             translation.response_headers(flow.response)
-        if route is not None and self.router is not None and self.router.pooled:
+        if route is not None and self.router is not None and self.router.pool.pooled:
             headers["X-Slotkeeper-Upstream"] = route.upstream  # which server of the pool
 
     async def response(self, flow: http.HTTPFlow) -> None:
@@ -432,7 +433,7 @@ class SlotKeeper:
         if route is None or self.router is None:
             return
         if flow.response is not None:
-            self.router.note_answer(route.upstream, flow.response.status_code)
+            self.router.upstreams.note_answer(route.upstream, flow.response.status_code)
         metrics.timings(route.upstream, timings)
         if timings is not None:
             flow.metadata[SUMMARY_KEY].update(reused=timings.cache_n, prefilled=timings.prompt_n)
@@ -454,12 +455,12 @@ class SlotKeeper:
             # No answer from llama-server at all: it may be restarting. Verify its slots
             # before trusting any of them again; a pool member is taken out until its
             # /health answers again (the watcher probes it back in).
-            self.router.mark_suspect(route.upstream)
+            self.router.upstreams.mark_suspect(route.upstream)
             client_left = flow.error is not None and "client disconnected" in \
                 flow.error.msg.lower()
-            if (self.router.pooled and route.upstream in self.router.config.upstreams
+            if (self.router.pool.pooled and route.upstream in self.router.config.upstreams
                     and not client_left):
-                if self.router.set_health(route.upstream, False):
+                if self.router.upstreams.set_health(route.upstream, False):
                     log.warning("%s: no answer: taken out of the pool", route.upstream)
         # A client may leave as soon as it has the final event (seen with Codex exec, which
         # exits on `response.completed` while the stream's end is still in flight): the
@@ -511,7 +512,7 @@ class SlotKeeper:
         self._idle_timers.pop(key, None)
         self._idle_ended.pop(key, None)
         if router is not None:
-            self.release_pool.submit(_logged, router.save_if_idle, key[0], key[1], ended)
+            self.release_pool.submit(_logged, router.accounting.save_if_idle, key[0], key[1], ended)
 
     def _timings(self, flow: http.HTTPFlow) -> Timings | None:
         watcher: SseTimingsWatcher | None = flow.metadata.pop(WATCH_KEY, None)
@@ -536,7 +537,7 @@ class SlotKeeper:
             if router is None:
                 continue
             pool = set(router.config.upstreams)
-            for url, info in router.known_upstreams():
+            for url, info in router.upstreams.known():
                 if info.healthy and info.answered_within(HEALTH_POLL_SECONDS):
                     # It answered a request since the last round: up. A restart keeps a
                     # server down for over a second (measured), so a later round, with no
@@ -554,7 +555,7 @@ class SlotKeeper:
                     healthy = False
                 if not healthy:
                     log.info("%s: /health failed; slots will be verified", url)
-                    router.mark_suspect(url)
+                    router.upstreams.mark_suspect(url)
 
     async def _probe_member(self, router: Router, url: str, info) -> None:
         """A pool member is polled whatever its state: down, it is taken out of placement;
@@ -565,7 +566,7 @@ class SlotKeeper:
         except Exception:
             log.exception("%s: health check failed unexpectedly", url)
             healthy = False
-        if router.set_health(url, healthy):
+        if router.upstreams.set_health(url, healthy):
             if healthy:
                 log.warning("%s: answering again: back in the pool", url)
             else:
@@ -592,7 +593,7 @@ class SlotKeeper:
         while self.in_flight > 0 and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if self.router is not None and self.router.folder is not None:
-            saved = await loop.run_in_executor(self.pool, self.router.save_all)
+            saved = await loop.run_in_executor(self.pool, self.router.accounting.save_all)
             log.info("shutdown: saved %d sessions", saved)
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.release_pool.shutdown(wait=False, cancel_futures=True)
