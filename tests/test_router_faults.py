@@ -18,7 +18,8 @@ from mitmproxy.test import taddons, tflow
 
 from helpers import Conversation
 from slotkeeper import addon as addon_module
-from slotkeeper.addon import SlotKeeper, upstream_of
+from slotkeeper.addon import SlotKeeper
+from slotkeeper.flows import upstream_of
 from slotkeeper.identity import Identity, identify
 from slotkeeper.locks import SlotLocks
 from slotkeeper.router import Router
@@ -124,7 +125,7 @@ def test_fault2_releases_never_queue_behind_lease_waits(tmp_path):
     that `finish` (which releases leases) also ran on: the release that would end their wait
     queued behind them. Releases now have their own pool."""
     keeper = SlotKeeper()
-    keeper.idle_save_seconds = 0
+    keeper.idle_saves.seconds = 0
     keeper.router = make_router(tmp_path)
     stop_waiting = threading.Event()
     waiters = [keeper.pool.submit(stop_waiting.wait, 30) for _ in range(64)]
@@ -132,7 +133,7 @@ def test_fault2_releases_never_queue_behind_lease_waits(tmp_path):
     route = Route("http://u:1", "s", "header", 0, KEPT, lease=lease)
     keeper.in_flight = 1
     try:
-        asyncio.run(asyncio.wait_for(keeper._finish(route, None), timeout=5))
+        asyncio.run(asyncio.wait_for(keeper._end(route, None), timeout=5))
         assert not lease.held and keeper.in_flight == 0
     finally:
         stop_waiting.set()

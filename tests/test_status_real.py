@@ -14,7 +14,7 @@ from typing import Any
 
 import requests
 
-from slotkeeper.addon import default_state_dir
+from slotkeeper.settings import default_state_dir
 from slotkeeper.local import state_dir
 from testbed import long_system_prompt
 
