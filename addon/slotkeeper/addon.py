@@ -16,11 +16,11 @@ from mitmproxy import ctx, http
 
 from . import bodies, metrics, placement, settings
 from .api import SessionApi
-from .bodies import BodyError, BodyRefused, BodyTooLarge, SseTimingsWatcher, Timings
+from .bodies import BodyError, BodyRefused, SseTimingsWatcher, Timings
 from .contentview import MitmwebView
 from .flows import (ROUTE_KEY, SUMMARY_KEY, WATCH_KEY, describe, error_response,
-                    note_pass_through, point_at, set_headers, upstream_of,
-                    without_empty_chunks, write_body)
+                    note_pass_through, point_at, read_body, refuse_if_too_deep, set_headers,
+                    timings_of, upstream_of, without_empty_chunks, write_body)
 from .identity import Identity, IdentityConfig, identify
 from .messages import AnthropicMessages
 from .ollama_surface import OllamaSurface
@@ -83,7 +83,7 @@ class SlotKeeper:
             self._point_at_any(flow)
             return
         if not bodies.is_completion_path(flow.request.path) or self.router is None:
-            self._refuse_if_too_deep(flow)
+            refuse_if_too_deep(flow, self.max_body_bytes)
             self._point_at_any(flow)
             return
         checked = self._checked_body(flow)
@@ -117,7 +117,7 @@ class SlotKeeper:
         """The body's JSON text, its object and the client's own id_slot; None when the flow
         was answered here (refused) or is passed through unchanged."""
         try:
-            body_text, data = self._read_body(flow)
+            body_text, data = read_body(flow, self.max_body_bytes)
         except BodyRefused as e:
             # Too large, or nested deeper than anything we (or llama-server) should parse:
             # answered here, never forwarded.
@@ -180,34 +180,6 @@ class SlotKeeper:
             note_pass_through(flow, f"routing failed: {type(e).__name__}: {e}", marker="error")
             return None
 
-    def _read_body(self, flow: http.HTTPFlow) -> tuple[bytes, dict]:
-        """The decoded body's JSON text, and the object parsed from it."""
-        raw = flow.request.raw_content
-        if raw is None:
-            raise BodyError("body was streamed, not read")
-        if len(raw) > self.max_body_bytes:
-            raise BodyTooLarge(f"request body of {len(raw)} bytes exceeds {self.max_body_bytes} "
-                               f"bytes (slotkeeper_max_body_mb)")
-        encoding = flow.request.headers.get("content-encoding", "")
-        text = bodies.decode_body(raw, encoding, self.max_body_bytes)
-        return text, bodies.parse_json_object(text)
-
-    def _refuse_if_too_deep(self, flow: http.HTTPFlow) -> None:
-        """Any other POST is forwarded as it came, except JSON nested deep enough to crash
-        llama-server (a segfault at ~110,000 levels on every endpoint, b11434): 400."""
-        raw = flow.request.raw_content
-        if not raw or len(raw) > self.max_body_bytes:
-            return
-        try:
-            body = bodies.decode_body(raw, flow.request.headers.get("content-encoding", ""),
-                                      self.max_body_bytes)
-        except BodyError:
-            return
-        if bodies.nested_too_deep(body):
-            flow.response = error_response(400, "request body is JSON nested too deeply")
-            log.info("%s %s refused (400): JSON nested too deeply", flow.request.method,
-                     flow.request.path)
-
     # ---- its answer, and its end -----------------------------------------------------------
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -243,7 +215,7 @@ class SlotKeeper:
         route: Route | None = flow.metadata.pop(ROUTE_KEY, None)
         timings = None
         try:
-            timings = self._timings(flow) if route is not None else None
+            timings = timings_of(flow) if route is not None else None
             translation = translation_of(flow)
             if translation is not None and flow.response is not None and not flow.response.stream:
                 translation.whole(flow.response)  # after the timings were read from the original
@@ -271,7 +243,7 @@ class SlotKeeper:
             # A client may leave as soon as it has the final event (seen with Codex exec, which
             # exits on `response.completed` while the stream's end is still in flight): the
             # server finished the request, and its timings say what the slot now holds.
-            timings = (self._timings(flow) if route is not None and flow.response is not None
+            timings = (timings_of(flow) if route is not None and flow.response is not None
                        else None)
             if route is not None and timings is not None:
                 flow.metadata[SUMMARY_KEY]["left_after_final_event"] = True
@@ -319,14 +291,6 @@ class SlotKeeper:
         if self.idle_saves.seconds and route.slot is not None and self.router is not None:
             self.idle_saves.schedule(route.upstream, route.session, self.router.clock())
         return verified
-
-    def _timings(self, flow: http.HTTPFlow) -> Timings | None:
-        watcher: SseTimingsWatcher | None = flow.metadata.pop(WATCH_KEY, None)
-        if watcher is not None:
-            return watcher.timings
-        if flow.response is None or flow.response.status_code != 200:
-            return None
-        return bodies.timings_in_json(flow.response.content or b"")
 
     # ---- start and stop ----------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 from mitmproxy import http
 
-from . import metrics
+from . import bodies, metrics
+from .bodies import BodyError, BodyTooLarge, SseTimingsWatcher, Timings
 from .contentview import flow_comment
 from .identity import Identity
 from .routes import ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, UNPINNED, Route
@@ -125,3 +126,43 @@ def note_pass_through(flow: http.HTTPFlow, why: str, marker: str = UNPINNED) -> 
 def error_response(status: int, message: str) -> http.Response:
     body = json.dumps({"error": {"code": status, "message": message, "type": "slotkeeper"}})
     return http.Response.make(status, body, {"Content-Type": "application/json"})
+
+
+def read_body(flow: http.HTTPFlow, max_bytes: int) -> tuple[bytes, dict]:
+    """The decoded body's JSON text, and the object parsed from it."""
+    raw = flow.request.raw_content
+    if raw is None:
+        raise BodyError("body was streamed, not read")
+    if len(raw) > max_bytes:
+        raise BodyTooLarge(f"request body of {len(raw)} bytes exceeds {max_bytes} "
+                           f"bytes (slotkeeper_max_body_mb)")
+    encoding = flow.request.headers.get("content-encoding", "")
+    text = bodies.decode_body(raw, encoding, max_bytes)
+    return text, bodies.parse_json_object(text)
+
+
+def refuse_if_too_deep(flow: http.HTTPFlow, max_bytes: int) -> None:
+    """Any other POST is forwarded as it came, except JSON nested deep enough to crash
+    llama-server (a segfault at ~110,000 levels on every endpoint, b11434): 400."""
+    raw = flow.request.raw_content
+    if not raw or len(raw) > max_bytes:
+        return
+    try:
+        body = bodies.decode_body(raw, flow.request.headers.get("content-encoding", ""),
+                                  max_bytes)
+    except BodyError:
+        return
+    if bodies.nested_too_deep(body):
+        flow.response = error_response(400, "request body is JSON nested too deeply")
+        log.info("%s %s refused (400): JSON nested too deeply", flow.request.method,
+                 flow.request.path)
+
+
+def timings_of(flow: http.HTTPFlow) -> Timings | None:
+    """The answer's timings: from the SSE watcher of a streamed answer, else the JSON body."""
+    watcher: SseTimingsWatcher | None = flow.metadata.pop(WATCH_KEY, None)
+    if watcher is not None:
+        return watcher.timings
+    if flow.response is None or flow.response.status_code != 200:
+        return None
+    return bodies.timings_in_json(flow.response.content or b"")
