@@ -138,9 +138,7 @@ class Walk:
                     break
                 return route
             claims = up.claims() if up else {}
-            ranking = choice.rank_slots(slots, claims, self.clock(), self.config.ttl)
-            if move and owned is not None:
-                ranking = [s for s in ranking if s != owned] or ranking
+            ranking = self._ranking(slots, claims, avoid=owned if move else None)
             if not ranking:
                 return self._fallback(url, info, ident, "server reports no slots",
                                       self.config.lock_timeout)
@@ -196,9 +194,8 @@ class Walk:
         claim is marked stale, so the owner is restored on its next request."""
         up = self.state.read().upstreams.get(url)
         claims = up.claims() if up else {}
-        ranking = choice.rank_slots(slots, claims, self.clock(), self.config.ttl)
-        own = up.slot_of(ident.session_id) if up else None
-        ranking = [s for s in ranking if s != own] or ranking
+        ranking = self._ranking(slots, claims,
+                                avoid=up.slot_of(ident.session_id) if up else None)
         if not ranking:
             return self._fallback(url, info, ident, "server reports no slots",
                                   self.config.lock_timeout)
@@ -216,6 +213,13 @@ class Walk:
                           lease=lease)
             stack.pop_all()
             return route
+
+    def _ranking(self, slots: list[SlotView], claims: dict, avoid: int | None) -> list[int]:
+        """The slots best first (choice.rank_slots); `avoid` last-resort only."""
+        ranking = choice.rank_slots(slots, claims, self.clock(), self.config.ttl)
+        if avoid is not None:
+            ranking = [s for s in ranking if s != avoid] or ranking
+        return ranking
 
     def _lock_first_free(self, url: str, ranking: list[int]) -> tuple[SlotLease | None, int]:
         for slot in ranking:
