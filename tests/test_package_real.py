@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import chat
-from testbed import REPO, end_process, free_port, wait_for_mitmproxy
+from testbed import REPO, chat, end_process, free_port, wait_for_mitmproxy
 
 PIP_TIMEOUT_S = 900
 

@@ -11,8 +11,7 @@ import shutil
 import time
 from pathlib import Path
 
-from helpers import chat
-from testbed import REPO
+from testbed import REPO, chat
 
 SYSTEM = "You answer in one word. " * 100  # a main request: it claims a slot
 
