@@ -134,12 +134,12 @@ class Router:
         route.seed_key = ident.seed_key
         route.ms = (time.monotonic() - started) * 1000
         self.pool.count(url, +1)
-        route._on_release.append(lambda: self.pool.count(url, -1))
+        route.on_release(lambda: self.pool.count(url, -1))
         if route.action not in OWNING:
             self.sessions.leave(url, session)
             return route
         route.conversation = self.sessions.remember(url, session, ident)
-        route._on_release.append(lambda: self.sessions.leave(url, session))
+        route.on_release(lambda: self.sessions.leave(url, session))
         return route
 
     # ---- its end -------------------------------------------------------------------------------

@@ -84,6 +84,10 @@ class Route:
     placement: str = ""  # pool only: why this server (placement.STAY, CHEAPEST, ...)
     _on_release: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
+    def on_release(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once, when the route is released."""
+        self._on_release.append(callback)
+
     def release(self) -> None:
         """Idempotent, never blocks: drops the lease and this process's count of the
         session's running requests. The one place a request's hold on its slot ends."""
@@ -92,10 +96,6 @@ class Route:
         callbacks, self._on_release = self._on_release, []
         for callback in callbacks:
             callback()
-
-    @property
-    def released(self) -> bool:
-        return (self.lease is None or not self.lease.held) and not self._on_release
 
 
 @dataclass(frozen=True)
