@@ -85,13 +85,18 @@ def _r(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
-def body_of(req: Req, stream: bool = True) -> dict[str, Any]:
+def body_of(req: Req, stream: bool = True, reply_tokens: int | None = None) -> dict[str, Any]:
     """The request body for req.path. Chat completions: temperature 0 and `ignore_eos`, so
-    every target generates the same number of tokens. Ollama: the same as options."""
+    every target generates the same number of tokens. Ollama: the same as options.
+    `reply_tokens` replaces the clients' own limit: that many for a conversation's turn, half
+    for a one-off (at least 1)."""
+    limit = req.max_tokens
+    if reply_tokens:
+        limit = reply_tokens if req.kind == "main" else max(1, reply_tokens // 2)
     if req.path == OLLAMA_CHAT:
         return {"model": "gemma-3-270m", "messages": req.messages, "stream": stream,
-                "options": {"temperature": 0, "num_predict": req.max_tokens}, **req.extra}
-    return {"messages": req.messages, "max_tokens": req.max_tokens, "temperature": 0,
+                "options": {"temperature": 0, "num_predict": limit}, **req.extra}
+    return {"messages": req.messages, "max_tokens": limit, "temperature": 0,
             "stream": stream, "ignore_eos": True, **req.extra}
 
 
@@ -100,13 +105,14 @@ class Sender:
     pool do when a request is still open), and times them from `origin`."""
 
     def __init__(self, url: str, header_timeout: float | None = None, max_retries: int = 2,
-                 origin: float | None = None) -> None:
+                 origin: float | None = None, reply_tokens: int | None = None) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or parts.hostname not in LOOPBACK or parts.port is None:
             raise ValueError(f"not a loopback http URL with a port: {url}")
         self.host, self.port = parts.hostname, parts.port
         self.header_timeout = header_timeout or None
         self.max_retries = max_retries
+        self.reply_tokens = reply_tokens
         self.origin = time.perf_counter() if origin is None else origin
         self.lock = threading.Lock()
         self.results: list[Result] = []  # in the order sent
@@ -118,7 +124,7 @@ class Sender:
         result = Result(req)
         with self.lock:
             self.results.append(result)
-        payload = json.dumps(body_of(req)).encode()
+        payload = json.dumps(body_of(req, reply_tokens=self.reply_tokens)).encode()
         conn = None
         try:
             for attempt in range(self.max_retries + 1):
@@ -281,7 +287,6 @@ class Options:
     """Sizes of the workloads (defaults: the issues' numbers)."""
     turns: int = 4
     mixed_turns: int = 3
-    reply_tokens: int = 32
     mixed_scale: float = 1.0  # the 15k/12k-token system prompts and the memory prompt
     memory_tools: bool = True
 

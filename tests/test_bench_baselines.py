@@ -160,3 +160,10 @@ def test_compare_names_the_best_baseline_and_slotkeepers_ratios() -> None:
     assert rows[0][:3] == ["workload", "target", "later pre"]
     assert rows[2][-2:] == ["3", "3.00"] and rows[1][-2:] == ["-", "-"]
     assert rows[1][5] == "2.00"  # slotkeeper prefilled twice what llama-sps0 did
+
+
+def test_reply_tokens_override_halves_for_one_offs() -> None:
+    ui = ChatUI("u", "c")
+    assert body_of(ui.request(1), reply_tokens=8)["max_tokens"] == 8
+    assert body_of(ui.title_request(2), reply_tokens=8)["max_tokens"] == 4
+    assert body_of(ui.title_request(2))["max_tokens"] == 16
