@@ -181,3 +181,10 @@ def table(results: dict[str, dict[str, Any]]) -> list[list[str]]:
                          fmt(s["retries"]), fmt(disk.get("files")),
                          fmt(round(disk["bytes"] / 2 ** 20, 1) if "bytes" in disk else None)])
     return rows
+
+
+def markdown(rows: list[list[str]]) -> str:
+    """The summary table as Markdown (the first row is the header)."""
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+    return "\n".join(lines)

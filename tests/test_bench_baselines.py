@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from baselinebench import (TARGETS, compare, headers_delta, pick_targets,  # noqa: E402
+from baselinebench import (TARGETS, compare, headers_delta, markdown, pick_targets,  # noqa: E402
                            summarize, table)
 from emulated import body_of  # noqa: E402
 from workloads import (OLLAMA_CHAT, ChatClient, ChatUI, RebuiltPromptAgent, SdkAgent,  # noqa: E402
@@ -167,3 +167,7 @@ def test_reply_tokens_override_halves_for_one_offs() -> None:
     assert body_of(ui.request(1), reply_tokens=8)["max_tokens"] == 8
     assert body_of(ui.title_request(2), reply_tokens=8)["max_tokens"] == 4
     assert body_of(ui.title_request(2))["max_tokens"] == 16
+
+
+def test_markdown_table() -> None:
+    assert markdown([["a", "b"], ["1", "2"]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
