@@ -177,16 +177,43 @@ def test_hostile_state_documents_are_rebuilt_not_raised(tmp_path, reliability):
                b'{"version": 1, "upstreams": {"u": {"slots": {"0": {"owner": "a", '
                b'"claimed": ' + b"9" * 5000 + b', "last_used": 1}}}}}',
                b'{"version": 1, "upstreams": []}', "{\"version\": 1}".encode("utf-16")]
+    # Numbers a float cannot hold, or JSON's non-numbers, in every numeric field (issue #21,
+    # item 8: int(inf) raised OverflowError past the rebuild).
+    for field in ("claimed", "last_used", "tokens", "saved_tokens", "messages", "chain_length",
+                  "chars"):
+        for number in (b"Infinity", b"-Infinity", b"NaN", b"1e999", b"-1e999"):
+            record = {"owner": "a", "claimed": 1, "last_used": 1, field: "NUMBER"}
+            raw = json.dumps({"version": 1, "upstreams": {"u": {"slots": {"0": record}}}})
+            hostile.append(raw.replace('"NUMBER"', number.decode()).encode())
     for raw in hostile:
         path.write_bytes(raw)
         assert state.read().upstreams == {}
         state.update(lambda doc: None)  # rewrites it whole
         assert json.loads(path.read_text())["version"] == 1
     reliability.row("state file replaced by garbage, NULs, unclosed or 5,000-deep JSON, wrong "
-                    "types, a 5,000-digit number, UTF-16",
+                    "types, a 5,000-digit number, Infinity, NaN or 1e999 in any numeric field, "
+                    "UTF-16",
                     outcome="read as empty (the ownership records are lost, the slot files are "
                             "not) and rewritten whole by the next change; never an exception",
                     lost="who owned which slot: sessions are restored from their files",
+                    area="slot folder and files")
+
+
+def test_state_writes_sync_the_folder_after_the_rename(tmp_path, monkeypatch, reliability):
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    state = StateFile(tmp_path / "state.json")
+    state.update(lambda doc: doc.upstream("u"))
+    assert synced == ["file", "folder"]  # the data, then the rename's directory entry
+    reliability.row("power cut right after a state write's rename",
+                    outcome="the file is fsynced before the rename and its folder after it, so "
+                            "the new document survives (not the old one, or none)",
                     area="slot folder and files")
 
 
