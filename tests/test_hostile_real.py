@@ -214,9 +214,11 @@ MALFORMED = [
     ("id_slot 1.5", CHAT, json.dumps(chat_body(id_slot=1.5)).encode(), 400, "slotkeeper"),
     ("id_slot true", CHAT, json.dumps(chat_body(id_slot=True)).encode(), 400, "slotkeeper"),
     ("id_slot []", CHAT, json.dumps(chat_body(id_slot=[])).encode(), 400, "slotkeeper"),
-    ("id_slot 99 (no such slot)", CHAT, json.dumps(chat_body(id_slot=99)).encode(), 200,
-     "llama-server"),
-    ("id_slot 2**40", CHAT, json.dumps(chat_body(id_slot=2**40)).encode(), 200, "llama-server"),
+    # Out of range (issue #21, item 5): llama-server ignored them (200), but each value made
+    # a lock file and an entry in the proxy's memory.
+    ("id_slot 99 (no such slot)", CHAT, json.dumps(chat_body(id_slot=99)).encode(), 400,
+     "slotkeeper"),
+    ("id_slot 2**40", CHAT, json.dumps(chat_body(id_slot=2**40)).encode(), 400, "slotkeeper"),
     ("cache_prompt \"yes\"", CHAT, json.dumps(chat_body(cache_prompt="yes")).encode(), 400,
      "slotkeeper"),
     ("cache_prompt null (taken as unset)", CHAT,
@@ -272,8 +274,29 @@ def test_malformed_bodies_get_a_clear_answer(proxy, llama, reliability):
             outcome=("400 from slotkeeper with a JSON error saying which field is wrong (never "
                      "forwarded)" if who == "slotkeeper" else
                      "passed through unchanged; llama-server's own JSON error (400/500), or "
-                     "200 where it ignores the value (id_slot out of range)")
+                     "200 where it ignores the value (cache_prompt null)")
             + "; no traceback, both processes alive")
+
+
+def test_out_of_range_id_slot_gets_400_and_leaves_no_file(proxy, llama, reliability):
+    watch = LogWatch(proxy, llama)
+    locks = proxy.state_file.parent / "locks"
+    before = files_under(locks)
+    for value in (1_000_000, -7, 2**62, llama.np, -2):
+        status, _, answer = post(proxy.port, json.dumps(chat_body(id_slot=value)).encode())
+        assert status == 400, (value, status, answer[:300])
+        message = json_error(answer)
+        assert f"id_slot {value}" in message and f"0-{llama.np - 1}" in message, message
+    assert files_under(locks) == before  # no lock file per bad value
+    # In range: still the client's choice, on that slot.
+    r = requests.post(proxy.url + CHAT, json=chat_body(id_slot=llama.np - 1), timeout=120)
+    assert r.status_code == 200 and r.headers["X-Slotkeeper-Slot"] == str(llama.np - 1)
+    assert r.headers["X-Slotkeeper-Action"] == "client"
+    assert not watch.problems(), watch.problems()
+    reliability.row("client id_slot 1000000, -7, 2**62, -2, and the slot count itself",
+                    outcome="400 from slotkeeper naming the valid range (0-N-1, or -1 for "
+                            "any); no lock file or memory entry per value; in-range ids "
+                            "still pin the request")
 
 
 def test_deep_json_to_any_route_cannot_crash_llama_server(proxy, llama, reliability):

@@ -16,6 +16,7 @@ from mitmproxy import ctx, exceptions, http
 from . import bodies, metrics, placement
 from .api import SessionApi
 from .bodies import BodyError, BodyRefused, BodyTooLarge, SseTimingsWatcher, Timings
+from .choice import SlotOutOfRange
 from .contentview import MitmwebView, flow_comment
 from .identity import Identity, IdentityConfig, identify
 from .locks import SlotLocks
@@ -356,6 +357,10 @@ class SlotKeeper:
             return await asyncio.get_running_loop().run_in_executor(
                 self.pool, self.router.route, url or upstream_of(flow), ident, client_slot,
                 flow.request.path, data)
+        except SlotOutOfRange as e:
+            flow.response = error_response(400, str(e))
+            metrics.request(flow.request.path, "rejected")
+            return None
         except NoUpstream as e:
             flow.response = error_response(503, f"no llama-server can take the request: {e}")
             metrics.request(flow.request.path, "error")

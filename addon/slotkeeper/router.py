@@ -728,6 +728,11 @@ class Router:
         """The client chose id_slot: it runs there whatever we say, so it takes the slot's
         lease (waiting for the request on it) and the slot's owner is saved first and marked
         stale, so a later handover never saves the client's KV as the owner's snapshot."""
+        total = (info.props.total_slots if info.props else 0) or self.config.slot_count
+        if not total:  # no slot count known: no lease (a lock file per value), server decides
+            return Route(url, ident.session_id, ident.rule, slot, CLIENT,
+                         detail="id_slot chosen by the client; slot count unknown")
+        choice.check_client_slot(slot, total)
         return self._take_unclaimed(url, info, ident, slot, CLIENT,
                                     "id_slot chosen by the client", self.config.lock_timeout)
 
