@@ -115,8 +115,10 @@ def test_without_a_token_only_loopback_clients_are_answered(reliability):
 
 def test_with_a_token_changes_need_it_and_so_do_remote_reads(reliability):
     token = "s3cret-Token_123"
-    assert status(flow("GET", "127.0.0.1"), token) == 0
-    assert status(flow("HEAD", "::1"), token) == 0
+    # Loopback reads need it too (issue #21): any local process or web page could read them.
+    assert status(flow("GET", "127.0.0.1"), token) == 401
+    assert status(flow("HEAD", "::1"), token) == 401
+    assert status(flow("GET", "127.0.0.1", f"Bearer {token}"), token) == 0
     assert status(flow("GET", "192.0.2.2"), token) == 401
     assert status(flow("GET", "192.0.2.2", "Bearer wrong"), token) == 401
     assert status(flow("GET", "192.0.2.2", f"Bearer {token}"), token) == 0
@@ -137,10 +139,9 @@ def test_with_a_token_changes_need_it_and_so_do_remote_reads(reliability):
     assert token not in f.request.headers["Authorization"]  # mitmweb never shows it
     reliability.row("slotkeeper_api_token set: POST/DELETE/PUT/PATCH without the token, with a "
                     "wrong one, a prefix of it, another scheme, or undecodable bytes",
-                    outcome="401 with WWW-Authenticate: Bearer, loopback clients included; "
-                            "GET/HEAD answered for loopback clients, 401 for others without "
-                            "the token; the token is redacted from "
-                            "the flow", area="management access")
+                    outcome="401 with WWW-Authenticate: Bearer, loopback clients included, "
+                            "reads (GET/HEAD) included; the token is redacted from the flow",
+                    area="management access")
 
 
 # ---- files the proxy creates ----------------------------------------------------------------

@@ -18,6 +18,7 @@ from .api import SessionApi
 from .bodies import BodyError, BodyRefused, BodyTooLarge, SseTimingsWatcher, Timings
 from .choice import SlotOutOfRange
 from .contentview import MitmwebView, flow_comment
+from .guard import BrowserGuard
 from .identity import Identity, IdentityConfig, identify
 from .locks import SlotLocks
 from .messages import AnthropicMessages
@@ -175,7 +176,7 @@ class SlotKeeper:
         loader.add_option("slotkeeper_api_token", str, "",
                           "Bearer token for the management endpoints (/api/..., /metrics). "
                           "Unset: they answer loopback clients only. Set: they answer every "
-                          "client, and POST/DELETE calls need 'Authorization: Bearer <token>'.")
+                          "client, and every call needs 'Authorization: Bearer <token>'.")
 
     def configure(self, updated: set[str]) -> None:
         """Check every option first, then build: a bad value raises before any file is
@@ -685,7 +686,9 @@ def error_response(status: int, message: str) -> http.Response:
 def make_addons() -> list:
     """Fresh addon objects: the entry script calls this each time mitmproxy (re)loads it."""
     keeper = SlotKeeper()
-    # Surfaces that rewrite a request into llama-server's own API come first (translation.py).
-    return [OllamaSurface(), AnthropicMessages(keeper), keeper, SessionApi(keeper),
+    # The browser guard first (it refuses before anyone answers), then the surfaces that
+    # rewrite a request into llama-server's own API (translation.py).
+    return [BrowserGuard(), OllamaSurface(), AnthropicMessages(keeper), keeper,
+            SessionApi(keeper),
             metrics.MetricsEndpoint(keeper),
             MitmwebView()]

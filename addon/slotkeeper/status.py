@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -63,12 +64,20 @@ class Report:
         return dict(self.__dict__)
 
 
+def api_auth() -> dict[str, str]:
+    """The proxy's slotkeeper_api_token, from $SLOTKEEPER_API_TOKEN: with a token set, every
+    management call needs it, loopback included."""
+    token = os.environ.get("SLOTKEEPER_API_TOKEN", "")
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def from_proxy(url: str) -> tuple[dict, list[dict] | None, str | None]:
     """(current, saved sessions or None, note). Raises StatusError when no slotkeeper proxy
     answers at `url`."""
     base = url.rstrip("/")
     try:
-        r = requests.get(base + "/api/sessions/current", timeout=PROXY_TIMEOUT_S)
+        r = requests.get(base + "/api/sessions/current", timeout=PROXY_TIMEOUT_S,
+                         headers=api_auth())
     except requests.RequestException as e:
         raise StatusError(f"no proxy at {url} ({_short(e)})") from None
     current = _json(r)
@@ -77,7 +86,7 @@ def from_proxy(url: str) -> tuple[dict, list[dict] | None, str | None]:
         raise StatusError(f"{url} is not a slotkeeper proxy (GET /api/sessions/current "
                           f"answered {r.status_code})")
     try:
-        r = requests.get(base + "/api/sessions", timeout=PROXY_TIMEOUT_S)
+        r = requests.get(base + "/api/sessions", timeout=PROXY_TIMEOUT_S, headers=api_auth())
     except requests.RequestException as e:
         return current, None, f"GET /api/sessions failed: {_short(e)}"
     saved = _json(r)
