@@ -458,8 +458,9 @@ def test_management_endpoints_answer_loopback_only_unless_a_token_is_set(
     r = requests.get(remote + "/api/sessions/current", timeout=30)
     assert r.status_code == 403 and "slotkeeper_api_token" in r.json()["error"]["message"]
     assert requests.get(remote + "/metrics", timeout=30).status_code == 403
-    assert requests.post(remote + "/api/sessions/clear", timeout=30).status_code == 403
-    assert requests.post(proxy.url + "/api/sessions/clear", timeout=30).status_code == 200
+    assert requests.post(remote + "/api/sessions/clear", json={}, timeout=30).status_code == 403
+    assert requests.post(proxy.url + "/api/sessions/clear", json={},
+                         timeout=30).status_code == 200
     # Completions are not management calls: every client is served as before.
     r = requests.post(remote + CHAT, json=chat_body(), timeout=120)
     assert r.status_code == 200 and "X-Slotkeeper-Slot" in r.headers
@@ -468,19 +469,20 @@ def test_management_endpoints_answer_loopback_only_unless_a_token_is_set(
     token = "test-token-" + os.urandom(8).hex()
     proxy = make_proxy(llama, listen_host="0.0.0.0", slotkeeper_api_token=token)
     remote = f"http://{address}:{proxy.port}"
-    assert requests.get(proxy.url + "/api/sessions/current", timeout=30).status_code == 200
+    # Every call needs the token, loopback reads included (issue #21).
+    assert requests.get(proxy.url + "/api/sessions/current", timeout=30).status_code == 401
     assert requests.get(remote + "/api/sessions/current", timeout=30).status_code == 401
     assert requests.get(remote + "/api/sessions/current", timeout=30,
                         headers={"Authorization": f"Bearer {token}"}).status_code == 200
     assert requests.get(remote + "/metrics", timeout=30).status_code == 401
     for url in (remote, proxy.url):
-        r = requests.post(url + "/api/sessions/clear", timeout=30)
+        r = requests.post(url + "/api/sessions/clear", json={}, timeout=30)
         assert r.status_code == 401 and r.headers["WWW-Authenticate"].startswith("Bearer")
         r = requests.delete(url + "/api/sessions/nobody", timeout=30,
                             headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
         auth = {"Authorization": f"Bearer {token}"}
-        assert requests.post(url + "/api/sessions/clear", headers=auth,
+        assert requests.post(url + "/api/sessions/clear", headers=auth, json={},
                              timeout=30).status_code == 200
         assert requests.delete(url + "/api/sessions/nobody", headers=auth,
                                timeout=30).status_code == 404
@@ -490,8 +492,7 @@ def test_management_endpoints_answer_loopback_only_unless_a_token_is_set(
     reliability.row(f"/api/sessions from a non-loopback address ({address}) and from "
                     f"127.0.0.1, without and with slotkeeper_api_token",
                     outcome="no token: 403 for the other address, 200 for loopback; token: "
-                            "reads 200 for loopback, 401 for the other address unless it "
-                            "sends the token; POST/DELETE 401 without or with a wrong "
-                            "token, 200/404 with it; completions served to both; the token "
+                            "every call 401 without it or with a wrong one, loopback reads "
+                            "included, 200/404 with it; completions served to both; the token "
                             "never appears in the log",
                     area="management access")
