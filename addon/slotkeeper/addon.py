@@ -28,6 +28,7 @@ from .router import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, U
 from .slotfiles import SlotFolder
 from .state import StateFile
 from .translation import translation_of
+from .upstream import UPSTREAM_KEY_ENV, UPSTREAM_KEY_OPTION, check_access, reverse_targets
 
 log = logging.getLogger("slotkeeper")
 
@@ -178,6 +179,11 @@ class SlotKeeper:
                           "Unset: they answer loopback clients only. Set: they answer every "
                           "client, and every call needs 'Authorization: Bearer <token>'.")
 
+        loader.add_option(UPSTREAM_KEY_OPTION, str, "",
+                          "llama-server's --api-key, sent on slotkeeper's own calls (/slots, "
+                          "/props, save/restore); clients' requests keep their own "
+                          "Authorization. Empty: $SLOTKEEPER_UPSTREAM_API_KEY, if set.")
+
     def configure(self, updated: set[str]) -> None:
         """Check every option first, then build: a bad value raises before any file is
         touched (no state file, lock folder or orphan sweep), and the running router stays
@@ -202,6 +208,11 @@ class SlotKeeper:
                 "!" <= c <= "~" for c in opts.slotkeeper_api_token):
             raise exceptions.OptionsError("slotkeeper_api_token must be printable ASCII "
                                           "without spaces (it is sent in a header)")
+        upstream_key = (getattr(opts, UPSTREAM_KEY_OPTION)
+                        or os.environ.get(UPSTREAM_KEY_ENV, ""))
+        if not all("!" <= c <= "~" for c in upstream_key):
+            raise exceptions.OptionsError(f"{UPSTREAM_KEY_OPTION} must be printable ASCII "
+                                          f"without spaces (it is sent in a header)")
         for header in opts.slotkeeper_session_headers:
             if not header or not all(c.isalnum() or c in "-_" for c in header):
                 raise exceptions.OptionsError(
@@ -264,6 +275,7 @@ class SlotKeeper:
                 max_seeds=opts.slotkeeper_max_seeds,
                 upstreams=upstreams,
                 placement=opts.slotkeeper_placement,
+                api_key=upstream_key,
             ),
             state, locks, folder,
         )
@@ -529,6 +541,10 @@ class SlotKeeper:
 
     def running(self) -> None:
         self._watcher = asyncio.get_running_loop().create_task(self._watch_upstreams())
+        if self.router is not None:  # a 401 at start: one clear line naming the option
+            self.release_pool.submit(_logged, check_access, [
+                *self.router.config.upstreams, *reverse_targets(ctx.options.mode)],
+                self.router.config.api_key)
 
     async def _watch_upstreams(self) -> None:
         """Poll /health of every upstream seen so far. A failure (down, or 503 while loading a

@@ -92,6 +92,7 @@ class RouterConfig:
     upstreams: tuple[str, ...] = ()
     placement: str = placing.COST
     weights: placing.Weights = field(default_factory=placing.Weights)
+    api_key: str = ""  # llama-server's --api-key, sent on slotkeeper's own calls (issue #21)
 
 
 @dataclass
@@ -215,7 +216,9 @@ class Router:
         with self._mutex:
             info = self._upstreams.get(url)
             if info is None:
-                info = UpstreamInfo(Upstream(url, timeout=self.config.slots_timeout))
+                info = UpstreamInfo(Upstream(url, timeout=self.config.slots_timeout,
+                                             api_key=self.config.api_key,
+                                             on_hang=lambda: self.mark_suspect(url)))
                 self._upstreams[url] = info
             return info
 

@@ -23,7 +23,7 @@ import requests
 from .router import SessionAdmin
 from .slotfiles import SlotFolder
 from .state import StateDoc
-from .upstream import SlotsUnavailable, Upstream
+from .upstream import UPSTREAM_KEY_ENV, SlotsUnavailable, Upstream
 
 DEFAULT_PROXY = "http://127.0.0.1:8000"
 PROXY_TIMEOUT_S = 3.0
@@ -143,7 +143,8 @@ def from_files(state_file: Path, slot_dir: Path | None) -> tuple[dict, list[dict
 def live_slots(url: str) -> tuple[dict[int, Any] | None, str | None]:
     """The upstream's own view of its slots (id -> SlotView), or None and why."""
     try:
-        views = Upstream(url, timeout=SLOTS_TIMEOUT_S).slots()
+        views = Upstream(url, timeout=SLOTS_TIMEOUT_S,
+                         api_key=os.environ.get(UPSTREAM_KEY_ENV, "")).slots()
     except SlotsUnavailable as e:
         return None, _short(e)
     return {v.id: v for v in views}, None
