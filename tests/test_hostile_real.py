@@ -341,6 +341,63 @@ def test_oversized_bodies_and_bombs_get_413(proxy, llama, reliability):
                             "second; never forwarded")
 
 
+def peak_rss_kb(pid: int) -> int:
+    """The process's peak resident memory so far (VmHWM): a body buffered and freed again
+    still shows in it."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM in /proc status")
+
+
+def send_huge(port: int, total: int, chunked_framing: bool) -> int:
+    """POST `total` bytes of JSON-looking text without holding them in this process; the
+    answer's status (0 when the proxy closed the connection without one)."""
+    head = f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += ("Transfer-Encoding: chunked\r\n" if chunked_framing
+             else f"Content-Length: {total}\r\n")
+    piece = b'{"messages": [], "x": "' + b"x" * (1024 * 1024 - 23)
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(head.encode() + b"\r\n")
+        try:
+            for sent in range(0, total, len(piece)):
+                data = piece[:total - sent]
+                sock.sendall(b"%x\r\n%s\r\n" % (len(data), data) if chunked_framing else data)
+            if chunked_framing:
+                sock.sendall(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused while we were still sending: what should happen
+        response = http.client.HTTPResponse(sock)
+        try:
+            response.begin()
+        except (http.client.RemoteDisconnected, ConnectionResetError, OSError):
+            return 0
+        return response.status
+
+
+def test_a_200_mb_body_is_refused_without_being_buffered(proxy, llama, reliability):
+    pid = proxy.proc.pid
+    outcomes = []
+    for chunked_framing in (False, True):
+        before = peak_rss_kb(pid)
+        started = time.monotonic()
+        status = send_huge(proxy.port, 200 * 1024 * 1024, chunked_framing)
+        grew_mb = (peak_rss_kb(pid) - before) / 1024
+        assert status in (0, 413), status
+        assert grew_mb < 8, f"peak RSS grew {grew_mb:.0f} MB for a 200 MB body"
+        outcomes.append(f"{'chunked' if chunked_framing else 'Content-Length'}: "
+                        f"{status or 'closed'}, peak RSS +{grew_mb:.1f} MB, "
+                        f"{time.monotonic() - started:.1f} s")
+        assert proxy.alive
+    # Still serving.
+    assert requests.post(proxy.url + CHAT, json=chat_body(), timeout=120).status_code == 200
+    reliability.row("200 MB request body (slotkeeper_max_body_mb=1), with Content-Length and "
+                    "chunked",
+                    outcome="refused by mitmproxy's body_size_limit (set from "
+                            "slotkeeper_max_body_mb + 1 MiB) as it arrives, never buffered "
+                            "whole: " + "; ".join(outcomes))
+
+
 def test_chunked_gzip_and_expect_continue_bodies_are_pinned(proxy, llama, reliability):
     watch = LogWatch(proxy, llama)
     body = json.dumps(chat_body("Chunked hello.")).encode()

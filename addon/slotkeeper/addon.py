@@ -18,7 +18,7 @@ from .api import SessionApi
 from .bodies import BodyError, BodyRefused, BodyTooLarge, SseTimingsWatcher, Timings
 from .choice import SlotOutOfRange
 from .contentview import MitmwebView, flow_comment
-from .guard import BrowserGuard
+from .guard import BodyLimit, BrowserGuard
 from .identity import Identity, IdentityConfig, identify
 from .locks import SlotLocks
 from .messages import AnthropicMessages
@@ -704,7 +704,7 @@ def make_addons() -> list:
     keeper = SlotKeeper()
     # The browser guard first (it refuses before anyone answers), then the surfaces that
     # rewrite a request into llama-server's own API (translation.py).
-    return [BrowserGuard(), OllamaSurface(), AnthropicMessages(keeper), keeper,
+    return [BrowserGuard(), OllamaSurface(), AnthropicMessages(keeper), keeper, BodyLimit(),
             SessionApi(keeper),
             metrics.MetricsEndpoint(keeper),
             MitmwebView()]

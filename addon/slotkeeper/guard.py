@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.net.http import url
+from mitmproxy.utils import human
 
 from . import origins
 from .access import READ_METHODS, error, is_management_path
@@ -126,3 +127,30 @@ class BrowserGuard:
         else:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Vary"] = "Origin"
+
+
+class BodyLimit:
+    """mitmproxy's own `body_size_limit`, derived from slotkeeper_max_body_mb (issue #21,
+    item 6). Without it mitmproxy buffers a request body whole, whatever its size, before
+    any addon sees it: a 200 MB body cost 200 MB of the proxy's memory just to be refused.
+    The limit is 1 MiB above slotkeeper's: a body just over slotkeeper's limit still gets its
+    JSON 413 naming the option; anything larger is refused by mitmproxy (413) as it arrives.
+    A body_size_limit the user set is left alone. Listed after SlotKeeper, which declares
+    and checks slotkeeper_max_body_mb."""
+
+    def __init__(self) -> None:
+        self.ours: str | None = None  # the value this addon set, so it may change it again
+
+    def configure(self, updated: set[str]) -> None:
+        opts = ctx.options
+        current = opts.body_size_limit
+        want = f"{opts.slotkeeper_max_body_mb + 1}m"
+        if current is not None and current != self.ours:
+            if human.parse_size(current) < human.parse_size(want):
+                log.warning("body_size_limit %s is below slotkeeper_max_body_mb (%d MiB): "
+                            "mitmproxy refuses bodies slotkeeper would take; set it to %s",
+                            current, opts.slotkeeper_max_body_mb, want)
+            return
+        if current != want:
+            self.ours = want
+            opts.update(body_size_limit=want)
