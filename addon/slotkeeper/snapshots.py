@@ -139,6 +139,7 @@ class Snapshots:
             if not ok:
                 if reason != "no snapshot":
                     notes.append(f"{what or 'snapshot'} not used: {reason}")
+                    metrics.restore_refused(reason)
                 return 0
             t0 = time.monotonic()
             try:

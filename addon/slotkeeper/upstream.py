@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,14 +67,40 @@ class ServerProps:
     model_path: str
     build_info: str
     raw: dict[str, Any]
+    # What else the server says about what its KV cells mean (kv_identity): the model
+    # file's identity, its shape, the LoRA adapters. "" when not read (older callers).
+    identity: str = ""
 
     @property
     def fingerprint(self) -> str:
-        """What a state file belongs to: the same model, build and slot count. Not n_ctx:
-        measured, a file restores into a server with another -c and the same -np; the token
-        count is checked against n_ctx separately."""
-        key = json.dumps([self.model_path, self.build_info, self.total_slots])
+        """What a state file belongs to: every part of the server's answers that changes what
+        a KV cell means (issue #21, item 4). A snapshot of another model restores without
+        complaint when its shapes match, and its token ids still match the prompt, so the
+        server reuses KV computed by another model: model path, build and slot count were not
+        enough. n_ctx per slot is in too (the issue lists it: with context-dependent rope
+        scaling the same token's K differs)."""
+        key = json.dumps([self.model_path, self.build_info, self.total_slots, self.n_ctx,
+                          self.raw.get("model_ftype"), self.identity])
         return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+# How much of the model file is hashed: the GGUF header and the start of its metadata (the
+# architecture's hyperparameters come first; the tokenizer's arrays follow). Measured ~1 ms.
+MODEL_HEAD_BYTES = 1024 * 1024
+
+
+def model_file_identity(path: str) -> list[Any]:
+    """The model file as this machine sees it at `path` (the server's model_path): device,
+    inode, size, modification time, and a hash of its first MiB. A GGUF replaced at the same
+    path, or edited in place, changes it. [] when the file is not readable here (a server on
+    another machine): then only what the server itself says counts."""
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            head = hashlib.sha256(f.read(MODEL_HEAD_BYTES)).hexdigest()[:16]
+    except (OSError, ValueError):
+        return []
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, head]
 
 
 class Upstream:
@@ -98,11 +125,15 @@ class Upstream:
                 session.headers["Authorization"] = f"Bearer {self.api_key}"
         return session
 
-    def _get(self, path: str) -> Any:
+    def _get(self, path: str, optional: bool = False) -> Any:
+        """GET one of the server's endpoints, its JSON. `optional`: an endpoint some servers
+        do not have, None for its 404/501 (not there is stable; any other failure raises)."""
         try:
             r = self._http.get(self.base_url + path, timeout=self.timeout)
         except requests.RequestException as e:
             raise UpstreamError(f"GET {path}: {type(e).__name__}") from None
+        if optional and r.status_code in (404, 501):
+            return None
         if r.status_code == 401:
             raise Unauthorized(unauthorized_message(self.base_url))
         if r.status_code != 200:
@@ -113,20 +144,42 @@ class Upstream:
             raise UpstreamError(f"GET {path}: not JSON") from None
 
     def props(self) -> ServerProps:
+        """/props, and what else tells what the server's KV means (kv_identity). Any of them
+        failing fails the whole read (no partial fingerprint: it would look like another
+        server and drop every claim)."""
         data = self._get("/props")
         if not isinstance(data, dict):
             raise UpstreamError("GET /props: not an object")
         settings = data.get("default_generation_settings") or {}
         try:
+            model_path = str(data.get("model_path", ""))
             return ServerProps(
                 total_slots=int(data.get("total_slots", 0)),
                 n_ctx=int(settings.get("n_ctx", 0)) if isinstance(settings, dict) else 0,
-                model_path=str(data.get("model_path", "")),
+                model_path=model_path,
                 build_info=str(data.get("build_info", "")),
                 raw=data,
+                identity=self.kv_identity(model_path),
             )
         except (TypeError, ValueError):
             raise UpstreamError("GET /props: unexpected field types") from None
+
+    def kv_identity(self, model_path: str) -> str:
+        """The model's shape as /v1/models says it (parameters, tensor bytes, embedding and
+        vocabulary sizes, training context), the LoRA adapters and their scales
+        (/lora-adapters), and the model file's identity on this machine. Not visible over
+        HTTP: rope/YaRN overrides and control vectors (docs/DESIGN.md); a KV cache of
+        another type (-ctk/-ctv) is refused by the server's own restore."""
+        models = self._get("/v1/models", optional=True)
+        meta: Any = None
+        if isinstance(models, dict) and isinstance(models.get("data"), list) and models["data"]:
+            first = models["data"][0]
+            meta = first.get("meta") if isinstance(first, dict) else None
+        adapters = self._get("/lora-adapters", optional=True)
+        loras = ([[a.get("path"), a.get("scale")] for a in adapters if isinstance(a, dict)]
+                 if isinstance(adapters, list) else None)
+        return json.dumps([meta, loras, model_file_identity(model_path)], sort_keys=True,
+                          default=str)
 
     def n_ctx_train(self) -> int:
         """The model's training context (GET /v1/models meta), 0 when the server does not say."""
