@@ -17,7 +17,7 @@ from slotkeeper import origins
 from slotkeeper.guard import CLIENT_HOST_KEY, OLLAMA_ORIGIN_KEY, BrowserGuard
 from slotkeeper.ollama_surface import OllamaSurface
 
-RELIABILITY_AREA = "management access"
+RELIABILITY_AREA = "attacks"
 
 
 @pytest.mark.parametrize("host,allowed", [
@@ -162,5 +162,4 @@ def test_the_guard_checks_origins_on_the_ollama_routes_like_ollama(reliability):
                     "port, every route)",
                     outcome="403 like Ollama, unless the origin is a loopback one, an app or "
                             "extension scheme, or in slotkeeper_ollama_origins; an allowed "
-                            "origin is named in Access-Control-Allow-Origin, never '*'",
-                    area="hostile input")
+                            "origin is named in Access-Control-Allow-Origin, never '*'")

@@ -296,7 +296,7 @@ def test_out_of_range_id_slot_gets_400_and_leaves_no_file(proxy, llama, reliabil
     reliability.row("client id_slot 1000000, -7, 2**62, -2, and the slot count itself",
                     outcome="400 from slotkeeper naming the valid range (0-N-1, or -1 for "
                             "any); no lock file or memory entry per value; in-range ids "
-                            "still pin the request")
+                            "still pin the request", area="attacks")
 
 
 def test_deep_json_to_any_route_cannot_crash_llama_server(proxy, llama, reliability):
@@ -395,7 +395,7 @@ def test_a_200_mb_body_is_refused_without_being_buffered(proxy, llama, reliabili
                     "chunked",
                     outcome="refused by mitmproxy's body_size_limit (set from "
                             "slotkeeper_max_body_mb + 1 MiB) as it arrives, never buffered "
-                            "whole: " + "; ".join(outcomes))
+                            "whole: " + "; ".join(outcomes), area="attacks")
 
 
 def test_chunked_gzip_and_expect_continue_bodies_are_pinned(proxy, llama, reliability):

@@ -21,7 +21,7 @@ from fake_upstream import FakeFaultyLlama, Fault
 from reliability import problems_in, reliability  # noqa: F401  (reliability: the fixture)
 from testbed import Proxy, free_port, long_system_prompt
 
-RELIABILITY_AREA = "management access"
+RELIABILITY_AREA = "attacks"
 CHAT = "/v1/chat/completions"
 SAVE_FAST = {"slotkeeper_small_request_chars": 0, "slotkeeper_min_save_tokens": 0,
              "slotkeeper_idle_save_seconds": 0, "slotkeeper_max_seeds": 0}
@@ -210,7 +210,7 @@ def test_ollama_routes_check_origin_like_ollama(llama, make_proxy, reliability):
                     outcome="403 as Ollama answers, unless loopback, an app scheme or in "
                             "slotkeeper_ollama_origins; the answer's Access-Control-Allow-"
                             "Origin names that origin (llama-server's '*' is dropped): "
-                            + json.dumps(outcomes), area="hostile input")
+                            + json.dumps(outcomes))
 
 
 # ---- item 3: llama-server --api-key ----------------------------------------------------------
@@ -247,8 +247,7 @@ def test_a_server_with_an_api_key(make_llama, make_proxy, tmp_path, reliability)
                     "with slotkeeper_upstream_api_key",
                     outcome="without: one error line at start naming the option (401); with: "
                             "/slots, /props and save/restore carry the key, a session is "
-                            "saved and restored; clients' Authorization forwarded as before",
-                    area="llama-server faults")
+                            "saved and restored; clients' Authorization forwarded as before")
 
 
 # ---- item 4: a model replaced at the same path -----------------------------------------------
@@ -303,8 +302,7 @@ def test_a_model_replaced_at_the_same_path_is_not_restored(make_llama, make_prox
                     outcome="not restored (fingerprint: the model file's identity changed), "
                             "counted in slotkeeper_restore_refused_total{reason=fingerprint}; "
                             "its answer equals a cold run's",
-                    lost="the session's snapshot (prefilled again)",
-                    area="slot folder and files")
+                    lost="the session's snapshot (prefilled again)")
 
 
 # ---- item 7: a save that never answers (FAKE) ------------------------------------------------
@@ -340,4 +338,4 @@ def test_fake_server_hanging_mid_save_holds_nobody_for_long(make_llama, make_pro
                             f"50 MB/s), the server is marked suspect, the other session is "
                             f"served in {took:.1f} s without that snapshot, the next one in "
                             f"{third:.1f} s",
-                    lost="that save (the session re-prefills)", area="llama-server faults")
+                    lost="that save (the session re-prefills)")
