@@ -135,15 +135,19 @@ def test_web_pages_cannot_clear_drain_or_read_the_proxy(chromium, llama, make_pr
     assert rebound == {"/api/sessions/current": 403, "/api/sessions": 403, "/metrics": 403}
     assert "victim" in claimed(proxy)  # nothing cleared
     log = proxy.log_text()
-    assert "POST /api/sessions/clear refused (415)" in log  # reached the proxy and refused
-    assert "refused (403)" in log
+    # Each reached the proxy and was refused there (not by the browser on its own).
+    assert log.count("POST /api/sessions/clear refused (403)") == 2, log[-3000:]
+    assert "POST /api/upstreams/drain refused (403)" in log
+    assert "OPTIONS /api/sessions/clear refused (403)" in log  # the CORS preflight
+    assert log.count("is not a name this proxy answers") == 3
     reliability.row("a web page of another origin in headless Chromium: fetch no-cors POST "
                     "/api/sessions/clear and /api/upstreams/drain, a CORS POST with JSON, a "
                     "CORS read; and a DNS-rebinding page (rebind.example mapped to 127.0.0.1) "
                     "reading /api/sessions and /metrics",
-                    outcome=f"no-cors POSTs arrive text/plain and get 415; the CORS POST and "
-                            f"read fail their preflight / CORS check (403, no CORS headers); "
-                            f"the rebinding page's same-origin reads get 403 (Host not the "
+                    outcome=f"the no-cors POSTs arrive (text/plain, the page's Origin) and get "
+                            f"403 for the foreign Origin; the CORS POST's preflight gets 403, "
+                            f"so it is never sent; the CORS read gets no CORS headers; the "
+                            f"rebinding page's same-origin reads get 403 (Host not the "
                             f"proxy's); the sessions stay. Browser saw: {json.dumps(results)}")
 
 
@@ -272,7 +276,7 @@ def edited_copy(model: Path, target: Path) -> str:
 def test_a_model_replaced_at_the_same_path_is_not_restored(make_llama, make_proxy, model_path,
                                                           tmp_path, reliability):
     slot_dir = tmp_path / "slots"
-    model = tmp_path / "models" / "model.gguf"
+    model = tmp_path / "models" / model_path.name  # the name gets the test bed's template
     model.parent.mkdir()
     shutil.copyfile(model_path, model)
     server = make_llama(np=1, ctx=4096, slot_save_path=slot_dir, model=model)

@@ -23,8 +23,10 @@ from .access import READ_METHODS, error, is_management_path
 log = logging.getLogger("slotkeeper.api")
 
 CLIENT_HOST_KEY = "slotkeeper_client_host"  # flow.metadata: the Host header the client sent
-# flow.metadata: the Origin of an Ollama-route request that origins.origin_allowed let in
-# (absent: no Origin, or not an Ollama route). The Ollama surface's CORS answers read it.
+# flow.metadata, set on every Ollama-route request the guard let through: the Origin that
+# origins.origin_allowed let in, or "" when the request had none (no page's). Absent: not an
+# Ollama route (the surface rewrites the path later, so the answer is told by this key). The
+# Ollama surface's CORS answers read it.
 OLLAMA_ORIGIN_KEY = "slotkeeper_ollama_origin"
 
 
@@ -104,6 +106,7 @@ class BrowserGuard:
     def _ollama_refusal(self, flow: http.HTTPFlow) -> http.Response | None:
         origin = flow.request.headers.get("origin")
         if origin is None:
+            flow.metadata[OLLAMA_ORIGIN_KEY] = ""
             return None
         if origins.origin_allowed(origin, self.ollama_origins):
             flow.metadata[OLLAMA_ORIGIN_KEY] = origin
@@ -119,10 +122,10 @@ class BrowserGuard:
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         """An Ollama route's answer names the origin it let in (never llama-server's `*`)."""
         response = flow.response
-        if response is None or not self._ollama_route(flow, flow.request.path.split("?", 1)[0]):
-            return
         origin = flow.metadata.get(OLLAMA_ORIGIN_KEY)
-        if origin is None:
+        if response is None or origin is None:
+            return
+        if not origin:
             response.headers.pop("access-control-allow-origin", None)
         else:
             response.headers["Access-Control-Allow-Origin"] = origin
