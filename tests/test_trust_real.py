@@ -316,7 +316,7 @@ def test_fake_server_hanging_mid_save_holds_nobody_for_long(make_llama, make_pro
     slot_dir = tmp_path / "slots"
     server = make_llama(np=1, ctx=4096, slot_save_path=slot_dir)
     fake = FakeFaultyLlama(server.url, faults={
-        "POST /slots/": Fault(delay=60, count=1, query="action=save")}).start()
+        "POST /slots/": Fault(delay=150, count=1, query="action=save")}).start()
     try:
         proxy = make_proxy(fake.url, slotkeeper_slot_dir=str(slot_dir), **SAVE_FAST)
         assert ask(proxy.url, "hang-a", "Name a colour.").status_code == 200
@@ -326,7 +326,9 @@ def test_fake_server_hanging_mid_save_holds_nobody_for_long(make_llama, make_pro
         other = ask(proxy.url, "hang-b", "Name a tree.", timeout=120)
         took = time.monotonic() - started
         assert other.status_code == 200, other.text
-        assert took < 20, f"served after {took:.1f} s"
+        # The bound is 5 s; the rest is the turn itself (~10 s on a loaded 2-core machine).
+        # Waiting for the save, as before, took the fake's 150 s (or 600 s for a real hang).
+        assert took < 45, f"served after {took:.1f} s"
         assert any("action=save" in line or "POST /slots/" in line for line in fake.seen)
         log = proxy.log_text()
         assert "server marked suspect" in log, log[-3000:]
