@@ -357,7 +357,7 @@ def send_huge(port: int, total: int, chunked_framing: bool) -> int:
     head += ("Transfer-Encoding: chunked\r\n" if chunked_framing
              else f"Content-Length: {total}\r\n")
     piece = b'{"messages": [], "x": "' + b"x" * (1024 * 1024 - 23)
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(head.encode() + b"\r\n")
         try:
             for sent in range(0, total, len(piece)):
@@ -365,12 +365,14 @@ def send_huge(port: int, total: int, chunked_framing: bool) -> int:
                 sock.sendall(b"%x\r\n%s\r\n" % (len(data), data) if chunked_framing else data)
             if chunked_framing:
                 sock.sendall(b"0\r\n\r\n")
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # refused while we were still sending: what should happen
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            # Refused while we were still sending (what should happen): the proxy answered
+            # and stopped reading, so our send either fails or blocks.
+            pass
         response = http.client.HTTPResponse(sock)
         try:
             response.begin()
-        except (http.client.RemoteDisconnected, ConnectionResetError, OSError):
+        except (http.client.RemoteDisconnected, OSError):
             return 0
         return response.status
 
