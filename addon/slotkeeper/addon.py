@@ -178,7 +178,6 @@ class SlotKeeper:
                           "Bearer token for the management endpoints (/api/..., /metrics). "
                           "Unset: they answer loopback clients only. Set: they answer every "
                           "client, and every call needs 'Authorization: Bearer <token>'.")
-
         loader.add_option(UPSTREAM_KEY_OPTION, str, "",
                           "llama-server's --api-key, sent on slotkeeper's own calls (/slots, "
                           "/props, save/restore); clients' requests keep their own "

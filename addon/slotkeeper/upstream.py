@@ -290,7 +290,7 @@ def check_access(urls: Sequence[str], api_key: str, timeout: float = 5.0) -> lis
     says nothing here (the health watcher and the first request deal with it). Returns the
     lines logged."""
     lines = []
-    for url in urls:
+    for url in dict.fromkeys(urls):  # a pool member may also be the reverse mode's target
         try:
             Upstream(url, timeout=timeout, api_key=api_key).props()
         except Unauthorized as e:
