@@ -146,6 +146,8 @@ class BodyLimit:
 
     def configure(self, updated: set[str]) -> None:
         opts = ctx.options
+        if opts.slotkeeper_max_body_mb < 1:
+            return  # refused by SlotKeeper.configure
         current = opts.body_size_limit
         want = f"{opts.slotkeeper_max_body_mb + 1}m"
         if current is not None and current != self.ours:
