@@ -290,3 +290,24 @@ def test_old_saving_files_are_swept_young_ones_kept(tmp_path):
     os.utime(tmp_path / old, (time.time() - 3600, time.time() - 3600))
     assert folder.sweep_orphans() == 1
     assert not (tmp_path / old).exists() and (tmp_path / young).exists()
+
+
+def test_mitmproxys_body_limit_follows_slotkeepers():
+    from mitmproxy.addons import proxyserver
+    from mitmproxy.test import taddons
+
+    from slotkeeper.guard import BodyLimit
+
+    class MaxBody:  # declares the option as SlotKeeper does, without its files
+        def load(self, loader):
+            loader.add_option("slotkeeper_max_body_mb", int, 32, "")
+
+    limit = BodyLimit()
+    with taddons.context(proxyserver.Proxyserver(), MaxBody(), limit) as tctx:
+        tctx.configure(limit)
+        assert tctx.options.body_size_limit == "33m"
+        tctx.options.update(slotkeeper_max_body_mb=1)
+        assert tctx.options.body_size_limit == "2m"
+        tctx.options.update(body_size_limit="500m")  # the user's own: left alone
+        tctx.options.update(slotkeeper_max_body_mb=4)
+        assert tctx.options.body_size_limit == "500m"
