@@ -22,11 +22,13 @@ from .access import READ_METHODS, error, is_management_path
 
 log = logging.getLogger("slotkeeper.api")
 
-CLIENT_HOST_KEY = "slotkeeper_client_host"  # flow.metadata: the Host header the client sent
+# flow.metadata from requestheaders to the guard's request hook: the Host the client sent
+CLIENT_HOST_KEY = "slotkeeper_client_host"
 # flow.metadata, set on every Ollama-route request the guard let through: the Origin that
 # origins.origin_allowed let in, or "" when the request had none (no page's). Absent: not an
 # Ollama route (the surface rewrites the path later, so the answer is told by this key). The
-# Ollama surface's CORS answers read it.
+# Ollama surface's CORS answers read it in the request hook; the guard's response hook (the
+# first) removes it.
 OLLAMA_ORIGIN_KEY = "slotkeeper_ollama_origin"
 
 
@@ -70,17 +72,18 @@ class BrowserGuard:
             req.host_header = url.hostport(req.scheme, req.host, req.port)
 
     def request(self, flow: http.HTTPFlow) -> None:
+        host = flow.metadata.pop(CLIENT_HOST_KEY, None)  # internal: not kept in saved flows
         if flow.response is not None:
             return
         path = flow.request.path.split("?", 1)[0]
         if is_management_path(path):
-            flow.response = self._management_refusal(flow)
+            flow.response = self._management_refusal(flow, host)
         elif self._ollama_route(flow, path):
             flow.response = self._ollama_refusal(flow)
 
-    def _management_refusal(self, flow: http.HTTPFlow) -> http.Response | None:
+    def _management_refusal(self, flow: http.HTTPFlow, host: str | None) -> http.Response | None:
         req = flow.request
-        host = flow.metadata.get(CLIENT_HOST_KEY, req.host_header or "")
+        host = req.host_header or "" if host is None else host
         refusal: tuple[int, str] | None = None
         if not origins.host_allowed(host, self.names):
             refusal = 403, (f"Host {host[:100]!r} is not a name this proxy answers management "
@@ -116,8 +119,14 @@ class BrowserGuard:
         return http.Response.make(403, b"", {})  # as Ollama answers a foreign origin
 
     def response(self, flow: http.HTTPFlow) -> None:
-        """Answers made by the proxy itself (the Ollama surface's) meet no responseheaders."""
+        """Answers made by the proxy itself (the Ollama surface's) meet no responseheaders.
+        The guard's metadata ends here: saved flows keep none of it."""
         self.responseheaders(flow)
+        flow.metadata.pop(OLLAMA_ORIGIN_KEY, None)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        flow.metadata.pop(CLIENT_HOST_KEY, None)
+        flow.metadata.pop(OLLAMA_ORIGIN_KEY, None)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         """An Ollama route's answer names the origin it let in (never llama-server's `*`)."""
