@@ -14,8 +14,9 @@ from mitmproxy import http
 from mitmproxy.test import tflow
 
 from slotkeeper import anthropic
-from slotkeeper.anthropic import (NotTranslatable, StreamTranslator, error_from_chat,
-                                  message_from_chat, normalize_billing_header, to_chat_request)
+from slotkeeper.anthropic import (NotTranslatable, error_from_chat, normalize_billing_header,
+                                  to_chat_request)
+from slotkeeper.anthropic_answers import StreamTranslator, message_from_chat
 from slotkeeper.identity import identify
 from slotkeeper.messages import ORIGINAL_PATH_KEY, AnthropicMessages, MessagesTranslation
 from slotkeeper.translation import TRANSLATION_KEY, translation_of
@@ -67,7 +68,6 @@ def test_content_blocks_map_like_the_servers_converter():
                                          "data": "AAAA"}},
             {"type": "image", "source": {"type": "base64", "data": "BBBB"}},
             {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}},
-            {"type": "image", "source": {"type": "file", "file_id": "f"}},
         ]},
         {"role": "assistant", "content": [
             {"type": "thinking", "thinking": "hmm ", "signature": "sig"},
@@ -147,7 +147,9 @@ def test_tools_choice_limits_and_sampling_fields():
         "tool_choice"] == "auto"
     assert to_chat_request({"messages": [], "tool_choice": {"type": "tool", "name": "R"}})[
         "tool_choice"] == "required"
-    assert "tool_choice" not in to_chat_request({"messages": [], "tool_choice": {"type": "none"}})
+    # "none" is kept (issue #20.8: it was dropped, so the model could still call tools).
+    assert to_chat_request({"messages": [], "tool_choice": {"type": "none"}})[
+        "tool_choice"] == "none"
     assert to_chat_request({"messages": [], "thinking": {"type": "enabled"}})[
         "thinking_budget_tokens"] == 10000
     assert "thinking_budget_tokens" not in to_chat_request(
@@ -328,7 +330,8 @@ def parse_anthropic_sse(raw: bytes) -> list[tuple[str, dict]]:
 def test_stream_events_are_the_servers_anthropic_events():
     out = StreamTranslator()(STREAM)
     events = parse_anthropic_sse(out)
-    assert out.count(b":\n\n") >= 1
+    # llama-server's keep-alive comment is the API's `ping` event (issue #20.10).
+    assert b"\n:" not in out and not out.startswith(b":")
     start = events[0][1]["message"]
     assert start["usage"] == {"cache_read_input_tokens": 30, "input_tokens": 12,
                               "output_tokens": 0}
@@ -341,11 +344,14 @@ def test_stream_events_are_the_servers_anthropic_events():
         ("content_block_delta", 0, {"type": "thinking_delta", "thinking": "think. é"}),
         ("content_block_start", 1, {"type": "text", "text": ""}),
         ("content_block_delta", 1, {"type": "text_delta", "text": "Listing"}),
+        ("ping", None, None),
         ("content_block_delta", 1, {"type": "text_delta", "text": " files."}),
-        ("content_block_start", 2, {"type": "tool_use", "id": "call_a", "name": "Bash"}),
+        ("content_block_start", 2, {"type": "tool_use", "id": "call_a", "name": "Bash",
+                                    "input": {}}),
         ("content_block_delta", 2, {"type": "input_json_delta", "partial_json": '{"command":'}),
         ("content_block_delta", 2, {"type": "input_json_delta", "partial_json": '"ls"}'}),
-        ("content_block_start", 3, {"type": "tool_use", "id": "call_b", "name": "Read"}),
+        ("content_block_start", 3, {"type": "tool_use", "id": "call_b", "name": "Read",
+                                    "input": {}}),
         ("content_block_delta", 3, {"type": "input_json_delta", "partial_json": "{}"}),
         ("content_block_delta", 0, {"type": "signature_delta", "signature": ""}),
         ("content_block_stop", 0, None),

@@ -7,15 +7,16 @@ import json
 
 import pytest
 
-from slotkeeper import ollama
-from slotkeeper.ollama import (CHAT, GENERATE_CHAT, GENERATE_INFILL, GENERATE_RAW,
-                               AnswerShaper, OllamaError, StreamTranslator)
+from slotkeeper import ollama, ollama_models, ollama_requests
+from slotkeeper.ollama import CHAT, GENERATE_CHAT, GENERATE_INFILL, GENERATE_RAW, OllamaError
+from slotkeeper.ollama_answers import AnswerShaper, StreamTranslator
+from slotkeeper.ollama_models import ModelFiles
 
 PNG_B64 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 
 
 def test_chat_maps_options_format_think_and_images():
-    mapped = ollama.chat_request({
+    mapped = ollama_requests.chat_request({
         "model": "gemma:latest",
         "messages": [{"role": "system", "content": "S"},
                      {"role": "user", "content": "look", "images": [PNG_B64]}],
@@ -42,21 +43,21 @@ def test_chat_maps_options_format_think_and_images():
 
 
 def test_chat_streams_by_default_and_json_format():
-    mapped = ollama.chat_request({"model": "m", "messages": [], "format": "json"})
+    mapped = ollama_requests.chat_request({"model": "m", "messages": [], "format": "json"})
     assert mapped.stream and mapped.body["stream"] is True
     assert mapped.body["response_format"] == {"type": "json_object"}
 
 
 def test_num_predict_negative_means_no_limit():
     for n in (-1, -2):
-        fields, _ = ollama.map_options({"num_predict": n}, "max_tokens")
+        fields, _ = ollama_requests.map_options({"num_predict": n}, "max_tokens")
         assert "max_tokens" not in fields
     with pytest.raises(OllamaError):
-        ollama.map_options({"num_predict": -3}, "max_tokens")
+        ollama_requests.map_options({"num_predict": -3}, "max_tokens")
 
 
 def test_tool_history_is_converted_both_ways():
-    mapped = ollama.chat_request({"model": "m", "messages": [
+    mapped = ollama_requests.chat_request({"model": "m", "messages": [
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": "", "tool_calls": [
             {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
@@ -85,19 +86,19 @@ def test_tool_history_is_converted_both_ways():
 ])
 def test_bad_chat_requests_are_clear_400s(body, message):
     with pytest.raises(OllamaError) as e:
-        ollama.chat_request(body)
+        ollama_requests.chat_request(body)
     assert e.value.status == 400 and message in e.value.message
 
 
 def test_session_fields_of_the_body_are_passed_on_for_identity():
-    chat = ollama.chat_request({"model": "m", "messages": [], "chat_id": "c-1", "user": 5})
+    chat = ollama_requests.chat_request({"model": "m", "messages": [], "chat_id": "c-1", "user": 5})
     assert chat.body["chat_id"] == "c-1" and "user" not in chat.body
-    gen = ollama.generate_request({"model": "m", "prompt": "x", "session_id": "s-1"})
+    gen = ollama_requests.generate_request({"model": "m", "prompt": "x", "session_id": "s-1"})
     assert gen.body["session_id"] == "s-1"
 
 
 def test_generate_plain_goes_to_chat_with_system():
-    mapped = ollama.generate_request({"model": "m", "prompt": "hi", "system": "S",
+    mapped = ollama_requests.generate_request({"model": "m", "prompt": "hi", "system": "S",
                                       "stream": False})
     assert mapped.path == "/v1/chat/completions" and mapped.kind == GENERATE_CHAT
     assert [m["role"] for m in mapped.body["messages"]] == ["system", "user"]
@@ -111,32 +112,32 @@ def test_generate_raw_and_context_send_tokens_to_completion():
         calls.append((text, special))
         return [7, 8]
 
-    raw = ollama.generate_request({"model": "m", "prompt": "<x>", "raw": True,
+    raw = ollama_requests.generate_request({"model": "m", "prompt": "<x>", "raw": True,
                                    "options": {"num_predict": 4}}, tokens)
     assert raw.path == "/completion" and raw.kind == GENERATE_RAW
     assert raw.body["prompt"] == [7, 8] and raw.body["n_predict"] == 4
     assert raw.body["return_tokens"] is True
-    cont = ollama.generate_request({"model": "m", "prompt": "more", "context": [1, 2, 3]},
+    cont = ollama_requests.generate_request({"model": "m", "prompt": "more", "context": [1, 2, 3]},
                                    tokens)
     assert cont.body["prompt"] == [1, 2, 3, 7, 8] and cont.context == [1, 2, 3, 7, 8]
     assert calls == [("<x>", True), ("more", False)]  # no second BOS after a context
     with pytest.raises(OllamaError):
-        ollama.generate_request({"model": "m", "prompt": "x", "context": [1, "a"]}, tokens)
+        ollama_requests.generate_request({"model": "m", "prompt": "x", "context": [1, "a"]}, tokens)
 
 
 def test_generate_suffix_goes_to_infill():
-    mapped = ollama.generate_request({"model": "m", "prompt": "def f(", "suffix": "return 1"})
+    mapped = ollama_requests.generate_request({"model": "m", "prompt": "def f(", "suffix": "return 1"})
     assert mapped.path == "/infill" and mapped.kind == GENERATE_INFILL
     assert mapped.body["input_prefix"] == "def f(" and mapped.body["input_suffix"] == "return 1"
 
 
 def test_unload_and_load_are_answered_without_the_server():
     body = {"model": "m:latest", "keep_alive": 0, "prompt": ""}
-    assert ollama.is_load_or_unload(body, "/api/generate")
-    assert ollama.load_answer(body, "/api/generate")["done_reason"] == "unload"
-    assert ollama.load_answer({"model": "m"}, "/api/chat")["done_reason"] == "load"
-    assert not ollama.is_load_or_unload({"model": "m", "prompt": "hi"}, "/api/generate")
-    assert ollama.is_load_or_unload({"model": "m", "messages": []}, "/api/chat")
+    assert ollama_requests.is_load_or_unload(body, "/api/generate")
+    assert ollama_requests.load_answer(body, "/api/generate")["done_reason"] == "unload"
+    assert ollama_requests.load_answer({"model": "m"}, "/api/chat")["done_reason"] == "load"
+    assert not ollama_requests.is_load_or_unload({"model": "m", "prompt": "hi"}, "/api/generate")
+    assert ollama_requests.is_load_or_unload({"model": "m", "messages": []}, "/api/chat")
 
 
 TIMINGS = {"cache_n": 100, "prompt_n": 12, "prompt_ms": 80.5, "predicted_n": 3,
@@ -144,7 +145,7 @@ TIMINGS = {"cache_n": 100, "prompt_n": 12, "prompt_ms": 80.5, "predicted_n": 3,
 
 
 def test_whole_chat_answer():
-    shaper = AnswerShaper(ollama.chat_request({"model": "m:latest", "messages": []}))
+    shaper = AnswerShaper(ollama_requests.chat_request({"model": "m:latest", "messages": []}))
     out = shaper.whole({"choices": [{"finish_reason": "tool_calls", "message": {
         "content": "ok", "reasoning_content": "hmm", "tool_calls": [
             {"id": "c1", "function": {"name": "f", "arguments": '{"a": 1}'}}]}}],
@@ -153,13 +154,14 @@ def test_whole_chat_answer():
     assert out["message"]["content"] == "ok" and out["message"]["thinking"] == "hmm"
     assert out["message"]["tool_calls"] == [
         {"function": {"index": 0, "name": "f", "arguments": {"a": 1}}, "id": "c1"}]
-    assert out["prompt_eval_count"] == 12 and out["eval_count"] == 3
+    # The whole prompt, reused and prefilled (100 + 12), as Ollama counts it (issue #20.6).
+    assert out["prompt_eval_count"] == 112 and out["eval_count"] == 3
     assert out["prompt_eval_duration"] == 80_500_000 and out["eval_duration"] == 30_000_000
     assert out["load_duration"] == 0 and out["total_duration"] >= 0
 
 
 def test_whole_raw_generate_returns_context():
-    mapped = ollama.generate_request({"model": "m", "prompt": "x", "raw": True},
+    mapped = ollama_requests.generate_request({"model": "m", "prompt": "x", "raw": True},
                                      lambda text, special: [5])
     out = AnswerShaper(mapped).whole({"content": "y", "tokens": [9, 10], "stop": True,
                                       "stop_type": "limit", "timings": TIMINGS})
@@ -176,7 +178,7 @@ def lines(raw: bytes) -> list[dict]:
 
 
 def test_stream_chat_line_by_line_even_split_mid_event():
-    shaper = AnswerShaper(ollama.chat_request({"model": "m", "messages": []}))
+    shaper = AnswerShaper(ollama_requests.chat_request({"model": "m", "messages": []}))
     translator = StreamTranslator(shaper)
     data = sse({"choices": [{"delta": {"role": "assistant", "content": None}}]},
                {"choices": [{"delta": {"content": "Hel"}}]},
@@ -190,11 +192,11 @@ def test_stream_chat_line_by_line_even_split_mid_event():
     objs = lines(out)
     assert [o["message"]["content"] for o in objs] == ["Hel", "lo", ""]
     assert [o["done"] for o in objs] == [False, False, True]
-    assert objs[-1]["done_reason"] == "stop" and objs[-1]["prompt_eval_count"] == 12
+    assert objs[-1]["done_reason"] == "stop" and objs[-1]["prompt_eval_count"] == 112
 
 
 def test_stream_tool_call_fragments_are_sent_whole():
-    shaper = AnswerShaper(ollama.chat_request({"model": "m", "messages": []}))
+    shaper = AnswerShaper(ollama_requests.chat_request({"model": "m", "messages": []}))
     translator = StreamTranslator(shaper)
     out = translator.feed(sse(
         {"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "c", "function": {
@@ -209,7 +211,7 @@ def test_stream_tool_call_fragments_are_sent_whole():
 
 
 def test_stream_native_generate_and_errors():
-    mapped = ollama.generate_request({"model": "m", "prompt": "x", "raw": True},
+    mapped = ollama_requests.generate_request({"model": "m", "prompt": "x", "raw": True},
                                      lambda text, special: [1])
     translator = StreamTranslator(AnswerShaper(mapped))
     out = translator.feed(sse({"content": "a", "tokens": [4], "stop": False},
@@ -231,25 +233,26 @@ def test_listings_from_v1_models_and_props():
                         "meta": {"n_params": 268_098_176, "size": 253_000_000,
                                  "n_ctx": 4096, "n_ctx_train": 32768,
                                  "ftype": "Q4_K - Medium"}}]}
-    tags = ollama.tags_answer(models)["models"][0]
+    tags = ollama_models.tags_answer(models, ModelFiles())["models"][0]
     assert tags["name"] == tags["model"] == "gemma-3-270m-q4_k_m:latest"
     assert tags["details"]["quantization_level"] == "Q4_K_M"
     assert tags["details"]["parameter_size"] == "268M" and tags["size"] == 253_000_000
-    ps = ollama.ps_answer(models)["models"][0]
+    ps = ollama_models.ps_answer(models, ModelFiles())["models"][0]
     assert ps["context_length"] == 4096 and ps["expires_at"].startswith("2318")
-    show = ollama.show_answer({"chat_template": "{{ tools }}", "model_path": "/x/m.gguf",
+    show = ollama_models.show_answer({"chat_template": "{{ tools }}", "model_path": "/x/m.gguf",
                                "model_ftype": "Q4_K - Medium",
                                "chat_template_caps": {"supports_tools": True},
-                               "default_generation_settings": {"n_ctx": 4096}}, "m:latest")
+                               "default_generation_settings": {"n_ctx": 4096}}, "m:latest",
+                               ModelFiles())
     assert show["details"]["quantization_level"] == "Q4_K_M"
-    assert ollama.display_name("alias:7b") == "alias:7b"
+    assert ollama_models.display_name("alias:7b") == "alias:7b"
     assert "tools" in show["capabilities"] and show["parameters"] == "num_ctx 4096"
     info = show["model_info"]
     assert info[f"{info['general.architecture']}.context_length"] == 4096
 
 
 def test_embed_answers():
-    mapped = ollama.embed_request({"model": "m", "input": "a"}, legacy=False)
+    mapped = ollama_requests.embed_request({"model": "m", "input": "a"}, legacy=False)
     assert mapped.body["input"] == ["a"] and mapped.path == "/v1/embeddings"
     data = {"data": [{"index": 1, "embedding": [0.2]}, {"index": 0, "embedding": [0.1]}],
             "usage": {"prompt_tokens": 4}}
@@ -257,7 +260,7 @@ def test_embed_answers():
     assert out["embeddings"] == [[0.1], [0.2]] and out["prompt_eval_count"] == 4
     assert AnswerShaper(mapped).embeddings(data, legacy=True) == {"embedding": [0.1]}
     with pytest.raises(OllamaError):
-        ollama.embed_request({"model": "m", "input": [1]}, legacy=False)
+        ollama_requests.embed_request({"model": "m", "input": [1]}, legacy=False)
 
 
 def test_upstream_error_message():

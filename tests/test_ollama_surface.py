@@ -12,6 +12,10 @@ from slotkeeper.ollama_surface import OllamaSurface
 from slotkeeper.translation import TRANSLATION_KEY
 
 
+class _Keeper:
+    max_body_bytes = 32 * 1024 * 1024
+
+
 def run(surface: OllamaSurface, method: str, path: str, body: object = None,
         port: int = 11434, raw: bytes | None = None):
     request = tutils.treq(method=method.encode(), path=path.encode(),
@@ -26,7 +30,7 @@ def run(surface: OllamaSurface, method: str, path: str, body: object = None,
 
 
 def test_surface_answers_and_rewrites():
-    surface = OllamaSurface()
+    surface = OllamaSurface(_Keeper())
     with taddons.context(surface) as tctx:
         tctx.configure(surface, slotkeeper_ollama_port=11434)
         root = run(surface, "GET", "/")
@@ -54,7 +58,7 @@ def test_surface_answers_and_rewrites():
 
 
 def test_surface_errors_have_ollamas_shape():
-    surface = OllamaSurface()
+    surface = OllamaSurface(_Keeper())
     with taddons.context(surface) as tctx:
         tctx.configure(surface, slotkeeper_ollama_port=11434)
         cases = [

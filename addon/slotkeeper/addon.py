@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -15,12 +14,13 @@ from mitmproxy import ctx, exceptions, http
 
 from . import bodies, metrics, placement
 from .api import SessionApi
-from .bodies import BodyError, BodyRefused, BodyTooLarge, SseTimingsWatcher, Timings
+from .bodies import BodyError, BodyRefused, SseTimingsWatcher, Timings
 from .contentview import MitmwebView, flow_comment
 from .identity import Identity, IdentityConfig, identify
 from .locks import SlotLocks
 from .messages import AnthropicMessages
 from .ollama_surface import OllamaSurface
+from .replies import error_reply as error_response
 from .router import (ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, UNPINNED,
                      NoUpstream, Route, Router, RouterConfig)
 from .slotfiles import SlotFolder
@@ -367,15 +367,14 @@ class SlotKeeper:
             return None
 
     def _read_body(self, flow: http.HTTPFlow) -> tuple[bytes, dict]:
-        """The decoded body's JSON text, and the object parsed from it."""
+        """The decoded body's JSON text, and the object parsed from it: a surface that
+        rewrote the body left both (bodies.PARSED_KEY), else the one body read."""
         raw = flow.request.raw_content
-        if raw is None:
-            raise BodyError("body was streamed, not read")
-        if len(raw) > self.max_body_bytes:
-            raise BodyTooLarge(f"request body of {len(raw)} bytes exceeds {self.max_body_bytes} "
-                               f"bytes (slotkeeper_max_body_mb)")
-        encoding = flow.request.headers.get("content-encoding", "")
-        text = bodies.decode_body(raw, encoding, self.max_body_bytes)
+        parsed = flow.metadata.pop(bodies.PARSED_KEY, None)
+        if parsed is not None and raw is not None and parsed[0] == raw:
+            return parsed
+        text = bodies.read_body(raw, flow.request.headers.get("content-encoding", ""),
+                                self.max_body_bytes)
         return text, bodies.parse_json_object(text)
 
     def _refuse_if_too_deep(self, flow: http.HTTPFlow) -> None:
@@ -672,15 +671,10 @@ def note_pass_through(flow: http.HTTPFlow, why: str, marker: str = UNPINNED) -> 
     log.info("%s %s passed through unchanged: %s", flow.request.method, flow.request.path, why)
 
 
-def error_response(status: int, message: str) -> http.Response:
-    body = json.dumps({"error": {"code": status, "message": message, "type": "slotkeeper"}})
-    return http.Response.make(status, body, {"Content-Type": "application/json"})
-
-
 def make_addons() -> list:
     """Fresh addon objects: the entry script calls this each time mitmproxy (re)loads it."""
     keeper = SlotKeeper()
     # Surfaces that rewrite a request into llama-server's own API come first (translation.py).
-    return [OllamaSurface(), AnthropicMessages(keeper), keeper, SessionApi(keeper),
+    return [OllamaSurface(keeper), AnthropicMessages(keeper), keeper, SessionApi(keeper),
             metrics.MetricsEndpoint(keeper),
             MitmwebView()]
