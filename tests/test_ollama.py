@@ -4,6 +4,8 @@ answers back, without any server. The real-server tests are in test_ollama_real.
 from __future__ import annotations
 
 import json
+import struct
+import time
 
 import pytest
 
@@ -266,3 +268,134 @@ def test_embed_answers():
 def test_upstream_error_message():
     assert ollama.upstream_error(400, b'{"error": {"code": 400, "message": "bad"}}') == "bad"
     assert ollama.upstream_error(502, b"<html>Bad Gateway</html>") == "<html>Bad Gateway</html>"
+
+
+# ---- issue #20: what real Ollama clients read ------------------------------------------------
+
+def test_format_without_think_turns_the_reasoning_parser_off():
+    """#20.4: with a template that can think, the constrained JSON must land in `content`."""
+    for think in (None, False):
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "format": "json"}
+        if think is not None:
+            body["think"] = think
+        assert ollama_requests.chat_request(body).body["reasoning_format"] == "none"
+    thinking = ollama_requests.chat_request({"model": "m", "messages": [], "format": "json",
+                                             "think": True}).body
+    assert "reasoning_format" not in thinking
+    plain = ollama_requests.chat_request({"model": "m", "messages": []}).body
+    assert "reasoning_format" not in plain
+
+
+def test_parallel_calls_to_one_tool_get_their_results_in_order():
+    """#20.7: two calls to the same tool; each result answers its own call."""
+    call = {"function": {"name": "get_weather", "arguments": {"city": "A"}}}
+    other = {"function": {"name": "get_weather", "arguments": {"city": "B"}}}
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call, other]},
+        {"role": "tool", "tool_name": "get_weather", "content": "sunny"},
+        {"role": "tool", "tool_name": "get_weather", "content": "rainy"}]}
+    messages = ollama_requests.chat_request(body).body["messages"]
+    ids = [c["id"] for c in messages[1]["tool_calls"]]
+    assert len(set(ids)) == 2
+    assert [m["tool_call_id"] for m in messages[2:]] == ids
+
+
+def test_generate_goes_through_the_template_and_returns_a_context():
+    """#20.5: a plain generate is templated by the server and sent as tokens, so its answer
+    carries a `context`; sending it back continues with the next turn templated, no second
+    BOS in the middle."""
+    vocab: dict[str, int] = {"<bos>": 1}
+
+    def tokens(text, special):
+        out = [1] if special else []
+        for word in text.split(" "):
+            if word:
+                out.append(vocab.setdefault(word, len(vocab) + 1))
+        return out
+
+    def render(messages, fields):
+        return " ".join(f"[{m['role']}] {m['content']}" for m in messages) + " [model]"
+
+    first = ollama_requests.generate_request({"model": "m", "prompt": "hi", "system": "S"},
+                                             tokens, render)
+    assert first.path == "/completion" and first.kind == GENERATE_RAW
+    assert first.body["prompt"] == first.context and first.context[0] == 1
+    answer = AnswerShaper(first).whole({"content": "yo", "tokens": [50, 51], "stop": True,
+                                        "stop_type": "eos", "timings": TIMINGS})
+    assert answer["context"] == first.context + [50, 51]
+    more = ollama_requests.generate_request(
+        {"model": "m", "prompt": "again", "context": answer["context"]}, tokens, render)
+    turn = [t for t in tokens(render([{"role": "user", "content": "again"}], {}), True) if t != 1]
+    assert more.body["prompt"] == answer["context"] + turn
+    assert more.body["prompt"].count(1) == 1  # one BOS, at the start
+    # With images or think the server must parse them: the chat route, no context.
+    chat = ollama_requests.generate_request({"model": "m", "prompt": "x", "think": True},
+                                            tokens, render)
+    assert chat.path == "/v1/chat/completions"
+
+
+def test_format_on_generate_reaches_completion_as_json_schema():
+    mapped = ollama_requests.generate_request(
+        {"model": "m", "prompt": "x", "format": {"type": "object"}},
+        lambda text, special: [1], lambda messages, fields: "t")
+    assert mapped.body["json_schema"] == {"type": "object"}
+    assert "response_format" not in mapped.body
+
+
+def test_listings_and_show_read_the_gguf_header(tmp_path):
+    """#20.1 and #20.2: architecture, family and parameters from the model file; modified_at
+    is the file's time, the same on every call."""
+    path = tmp_path / "tiny-Q8_0.gguf"
+    write_gguf(path, {"general.architecture": "gemma3", "gemma3.context_length": 32768,
+                      "general.name": "Tiny", "tokenizer.ggml.tokens": ["a", "b", "c"]},
+               [("w", [640, 1000]), ("b", [640])])
+    files = ModelFiles()
+    models = {"data": [{"id": str(path), "created": 123, "meta": {"n_params": 641_000,
+                                                                  "size": 10, "n_ctx": 512}}]}
+    tags = ollama_models.tags_answer(models, files)["models"][0]
+    assert tags["details"]["family"] == "gemma3" and tags["details"]["families"] == ["gemma3"]
+    assert tags["modified_at"] == ollama_models.tags_answer(models, files)["models"][0][
+        "modified_at"]
+    assert tags["modified_at"].startswith(time.strftime("%Y", time.gmtime(path.stat().st_mtime)))
+    show = ollama_models.show_answer({"model_path": str(path),
+                                      "default_generation_settings": {"n_ctx": 512}},
+                                     "tiny:latest", files)
+    info = show["model_info"]
+    assert info["general.architecture"] == "gemma3" and info["gemma3.context_length"] == 512
+    assert info["general.parameter_count"] == 640 * 1000 + 640
+    assert info["general.name"] == "Tiny" and "tokenizer.ggml.tokens" not in info
+    assert show["details"]["family"] == "gemma3" and show["details"]["parameter_size"] == "1M"
+    assert show["details"]["quantization_level"] == "Q8_0"
+
+
+def test_show_without_the_file_still_leads_to_the_context_size():
+    show = ollama_models.show_answer({"model_path": "/not/here.gguf",
+                                      "default_generation_settings": {"n_ctx": 256}},
+                                     "m", ModelFiles())
+    info = show["model_info"]
+    assert info[f"{info['general.architecture']}.context_length"] == 256
+    first = ollama_models.tags_answer({"data": [{"id": "alias", "meta": {}}]}, files := ModelFiles())
+    again = ollama_models.tags_answer({"data": [{"id": "alias", "meta": {}}]}, files)
+    assert first["models"][0]["modified_at"] == again["models"][0]["modified_at"]
+
+
+def write_gguf(path, meta: dict, tensors: list[tuple[str, list[int]]]) -> None:
+    """A GGUF v3 header (no weights): enough for the metadata reader."""
+    def string(s: str) -> bytes:
+        b = s.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta))
+    for key, value in meta.items():
+        out += string(key)
+        if isinstance(value, str):
+            out += struct.pack("<I", 8) + string(value)
+        elif isinstance(value, int):
+            out += struct.pack("<IQ", 10, value)
+        else:
+            out += struct.pack("<IIQ", 9, 8, len(value)) + b"".join(string(v) for v in value)
+    for name, dims in tensors:
+        out += string(name) + struct.pack("<I", len(dims)) + b"".join(
+            struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", 0, 0)
+    path.write_bytes(out)

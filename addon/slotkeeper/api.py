@@ -15,6 +15,7 @@ from mitmproxy import http
 from .access import READ_METHODS, is_loopback, management_access  # noqa: F401 (re-exported)
 from . import placement
 from .admin import NoSlotDir, SessionAdmin, SlotBusy
+from .replies import error_reply
 
 if TYPE_CHECKING:
     from .addon import SlotKeeper
@@ -34,7 +35,7 @@ def json_response(status: int, payload: Any) -> http.Response:
 
 
 def error(status: int, message: str) -> http.Response:
-    return json_response(status, {"error": {"code": status, "message": message}})
+    return error_reply(status, message)
 
 
 class SessionApi:
