@@ -26,7 +26,7 @@ class NotGguf(ValueError):
 
 class _Reader:
     """Reads the header through a memory map: the vocabulary's 262k strings are walked by
-    offset, not read (0.48 s with buffered reads, a tenth of that here)."""
+    offset, not read (0.48 s with buffered reads, 0.11 s here)."""
 
     def __init__(self, data: mmap.mmap) -> None:
         self.data = data

@@ -85,6 +85,7 @@ class OllamaSurface:
         self.port = 11434
         self.allowed_origin: cors.Allowed = cors.loopback_origin
         self.files = ModelFiles()
+        self._warmed: set[str] = set()  # servers whose model file was read off the event loop
         # Tokenizing, templating and the model facts are blocking calls to llama-server.
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="slotkeeper-ollama")
 
@@ -163,6 +164,7 @@ class OllamaSurface:
             flow.response = replies.json_reply(200, {"version": ollama.OLLAMA_VERSION})
         elif path in ("/api/tags", "/api/ps"):
             _expect(method, "GET")
+            await self._warm(flow)
             files = self.files
             answer = (ollama_models.tags_answer if path == "/api/tags"
                       else ollama_models.ps_answer)
@@ -171,6 +173,7 @@ class OllamaSurface:
         elif path == "/api/show":
             _expect(method, "POST")
             model = ollama_requests.model_of(ollama_requests.request_object(self._body(flow)))
+            await self._warm(flow)
             files = self.files
             _rewrite(flow, "GET", "/props", None)
             _translate(flow, OllamaTranslation(
@@ -189,6 +192,14 @@ class OllamaSurface:
             raise OllamaError(501, f"{path} is not supported: slotkeeper serves the model "
                                    f"llama-server was started with and manages no models")
         # Any other /api/ path is not Ollama's: it passes on unchanged.
+
+    async def _warm(self, flow: http.HTTPFlow) -> None:
+        """Read the server's model file (its GGUF header, ~0.1 s) in a worker thread once, so
+        the listing's translation, in a response hook, finds it cached."""
+        url = _server_url(flow)
+        if url not in self._warmed:
+            self._warmed.add(url)
+            await self._run(_read_model_file, url, self.files)
 
     async def _run(self, func: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, func, *args)
@@ -283,6 +294,16 @@ def _json_of(r: requests.Response, path: str) -> Any:
         return r.json()
     except ValueError:
         raise OllamaError(502, f"llama-server's {path} answer is not JSON") from None
+
+
+def _read_model_file(url: str, files: ModelFiles) -> None:
+    try:
+        props = requests.get(url + "/props", timeout=UPSTREAM_TIMEOUT_S).json()
+    except (requests.RequestException, ValueError):
+        return  # the listing's own request to the server will say what is wrong
+    path = props.get("model_path") if isinstance(props, dict) else None
+    if isinstance(path, str):
+        files.metadata(path)
 
 
 def tokenize(url: str, text: str, add_special: bool) -> list[int]:
