@@ -109,13 +109,14 @@ class Colour(BaseModel):
     warm: bool
 
 
-def test_langchain_chat_ollama(make_llama, make_proxy):
+def test_langchain_chat_ollama(make_llama, make_proxy, monkeypatch):
     """LangChain's ChatOllama: multi-turn, streamed, tools bound with two parallel calls to one
     tool answered in order (#20.7), and with_structured_output (#20.4) on a template that can
     think."""
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
     from langchain_ollama import ChatOllama
 
+    monkeypatch.setenv("LLAMA_SERVER_SLOTS_DEBUG", "1")  # /slots then shows each prompt
     server = make_llama(extra=THINKING_FLAGS)
     port = free_port()
     proxy = make_proxy(server, port=port, slotkeeper_ollama_port=port,
@@ -129,8 +130,13 @@ def test_langchain_chat_ollama(make_llama, make_proxy):
     history += [first, HumanMessage("Another one.")]
     streamed = list(llm.stream(history))
     assert streamed and "".join(str(c.content) for c in streamed)
-    usage = streamed[-1].usage_metadata or {}
-    assert usage.get("input_tokens", 0) > 20  # the whole prompt, not just the new turn
+    total = streamed[0]
+    for piece in streamed[1:]:
+        total += piece
+    # The whole prompt (#20.6), though the slot held all but the new turn: the first turn's
+    # prompt and answer are in it.
+    assert total.usage_metadata["input_tokens"] > first.usage_metadata["input_tokens"] + \
+        first.usage_metadata["output_tokens"]
 
     def get_weather(city: str) -> str:
         """The weather of a city."""
@@ -164,4 +170,4 @@ def _last_prompt(server) -> str:
     slots = requests.get(server.url + "/slots", timeout=10).json()
     used = [s for s in slots if s.get("id_task") is not None]
     latest = max(used, key=lambda s: s["id_task"])
-    return latest.get("prompt", "")
+    return latest["prompt"]
