@@ -73,7 +73,7 @@ def test_ollama_origins_option_adds_patterns():
 def guard_context(keep_host_header: bool = False):
     """A guard loaded as mitmdump loads a script: after the core options (keep_host_header as
     the user set it) and beside the Ollama surface, which declares slotkeeper_ollama_port."""
-    with taddons.context(proxyserver.Proxyserver(), OllamaSurface()) as tctx:
+    with taddons.context(proxyserver.Proxyserver(), OllamaSurface(None)) as tctx:
         tctx.options.update(keep_host_header=keep_host_header)
         guard = BrowserGuard()
         tctx.master.addons.add(guard)

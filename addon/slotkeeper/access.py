@@ -1,23 +1,22 @@
 """Access: who may call slotkeeper's own endpoints (/api/..., /metrics). One check, used by
-the session API and the metrics endpoint; it imports nothing of slotkeeper's, so both can use
-it without an import cycle."""
+the session API and the metrics endpoint; it imports only the error builder (replies.py), so
+both can use it without an import cycle."""
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
-import json
 import logging
 
 from mitmproxy import http
+
+from .replies import error_reply
 
 log = logging.getLogger("slotkeeper.api")
 
 
 def error(status: int, message: str) -> http.Response:
-    return http.Response.make(status, json.dumps({"error": {"code": status, "message": message}},
-                                                 indent=1),
-                              {"Content-Type": "application/json"})
+    return error_reply(status, message)
 
 
 READ_METHODS = frozenset({"GET", "HEAD"})

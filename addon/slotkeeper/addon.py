@@ -360,5 +360,5 @@ def make_addons() -> list:
     keeper = SlotKeeper()
     # The browser guard first (it refuses before anyone answers), then the surfaces that
     # rewrite a request into llama-server's own API (translation.py).
-    return [BrowserGuard(), OllamaSurface(), AnthropicMessages(keeper), keeper, BodyLimit(),
+    return [BrowserGuard(), OllamaSurface(keeper), AnthropicMessages(keeper), keeper, BodyLimit(),
             SessionApi(keeper), metrics.MetricsEndpoint(keeper), MitmwebView()]

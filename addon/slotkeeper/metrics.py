@@ -25,6 +25,8 @@ from prometheus_client import (CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Coun
                                ProcessCollector, generate_latest)
 from prometheus_client.core import GaugeMetricFamily
 
+from .bodies import route_of
+
 if TYPE_CHECKING:
     from mitmproxy import http
 
@@ -127,8 +129,7 @@ RESTORE_REFUSED.labels("fingerprint")  # zero from the start: an alert can watch
 # ---- observations (one-line calls from addon.py / router.py) ------------------------------
 
 def endpoint_of(path: str) -> str:
-    route = path.split("?", 1)[0]
-    return route[:-1] if len(route) > 1 and route.endswith("/") else route
+    return route_of(path)
 
 
 @functools.cache
