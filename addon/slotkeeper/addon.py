@@ -162,7 +162,7 @@ class SlotKeeper:
         url = upstream_of(flow)
         if self.router.pool.pooled:
             # The fast path only for a session resident on a server that can keep it; the
-            # slow path places every other request (router.place).
+            # slow path places every other request (router.route, through the pool room).
             url = self.router.pool.sticky_upstream(ident.session_id) or ""
         route = (self.router.try_keep(url, ident) if client_slot is None and url else None)
         if route is not None:

@@ -91,7 +91,7 @@ class SessionApi:
         """GET /api/upstreams; POST /api/upstreams/drain and /undrain with
         {"upstream": "<base URL of a pool server>"}."""
         method = flow.request.method
-        if not admin.router.pooled:
+        if not admin.router.pool.pooled:
             return error(404, "no pool: slotkeeper_upstreams is not set")
         if rest in ("", "/"):
             return (200, admin.pool, ()) if method == "GET" else error(
