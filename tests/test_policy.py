@@ -103,3 +103,12 @@ def test_reuse_of_the_slots_prefix_needs_no_slot_check():
     assert not policy.needs_slot_check(expected_prefix=1000, cache_n=990)
     assert policy.needs_slot_check(expected_prefix=1000, cache_n=10)
     assert policy.needs_slot_check(expected_prefix=0, cache_n=0)  # a cold slot: check
+
+
+def test_a_request_that_claims_nothing_takes_a_free_slot_then_a_saved_owners():
+    costs = {0: (False, policy.SAVE), 1: (False, policy.CURRENT), 2: (False, policy.FREE),
+             3: (True, policy.FREE)}
+    assert policy.order_for_side([0, 1, 2, 3], costs) == [2, 1, 0, 3]
+    # Within one cost, choice's ranking stands; an unknown slot is taken as busy.
+    costs = {0: (False, policy.CURRENT), 1: (False, policy.CURRENT)}
+    assert policy.order_for_side([1, 0, 5], costs) == [1, 0, 5]

@@ -6,6 +6,7 @@ gives the reasons and the traffic that forced each rule.
 - whether a request of a known session is its main conversation, a side request, or a main
   conversation that must move off its own busy slot (`classify`);
 - whether a slot's KV is worth saving (`worth_saving`, `grew_enough`);
+- which slot a request that claims nothing may use (`order_for_side`);
 - what a server's settings tell the user (`advice`)."""
 
 from __future__ import annotations
@@ -100,6 +101,21 @@ def classify(*, chain: Sequence[str], system_key: str | None, prompt_chars: int,
     if prompt_chars < resident.chars * SHRINK_RATIO:
         return SIDE
     return MOVE if own_request_running else MAIN
+
+
+# What a request that claims no slot (a side request, a one-off) costs each slot's owner.
+FREE = 0  # nobody's KV: no claim, or a stale one
+CURRENT = 1  # the owner's snapshot holds what the slot holds: it pays one restore, nothing lost
+SAVE = 2  # the owner grew since its snapshot: saved first (the request waits for that save)
+
+
+def order_for_side(ranking: Sequence[int], costs: Mapping[int, tuple[bool, int]]) -> list[int]:
+    """The slots a request that claims nothing tries, in order (issue #23): idle before busy,
+    then a free slot, else one whose owner's snapshot is current, and only then one whose
+    owner must be saved first; `ranking`'s order (choice.rank_slots) within each. `costs`:
+    slot -> (processing, FREE | CURRENT | SAVE); a slot missing from it is taken as busy."""
+    position = {slot: i for i, slot in enumerate(ranking)}
+    return sorted(ranking, key=lambda slot: (*costs.get(slot, (True, SAVE)), position[slot]))
 
 
 # What verify_slot() answers.

@@ -26,6 +26,7 @@ from . import placement as placing
 from .admin import ADMIN_LOCK_TIMEOUT, NoSlotDir, SessionAdmin, SlotBusy  # noqa: F401 (re-exported)
 from .bodies import Timings
 from .choice import SlotView
+from .habits import Habits
 from .identity import Identity
 from .locks import SlotLease, SlotLocks
 from .policy import Conversation
@@ -109,6 +110,7 @@ class Route:
     seed_key: str | None = None
     conversation: Conversation | None = None  # what the slot holds for the session afterwards
     placement: str = ""  # pool only: why this server (placing.STAY, CHEAPEST, ...)
+    seed_source: tuple[str, dict] | None = None  # (path, body): a seed may be taken afterwards
     _on_release: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def release(self) -> None:
@@ -192,6 +194,7 @@ class Router:
         # upstream -> routed requests of this process not yet ended (the pool's load)
         self._in_flight: dict[str, int] = {}
         self._turn = 0  # round-robin placement
+        self.habits = Habits()  # what earlier conversations of each system prompt did (#23)
         for url in config.upstreams:
             self.upstream(url)
 
@@ -366,6 +369,9 @@ class Router:
             return route
         route.conversation = self._remember(route.upstream, route.session, ident)
         route._on_release.append(lambda: self._leave(route.upstream, route.session))
+        talk = _talk_of(route.rule, route.session)
+        self.habits.saw(ident.seed_key, talk, route.session)
+        route._on_release.append(lambda: self.habits.ended(ident.seed_key, talk))
         return route
 
     def _request_ended(self, url: str) -> None:
@@ -679,6 +685,9 @@ class Router:
             log.info("%s placed on %s (%s)", ident.session_id, url, chosen.reason)
         route.messages = ident.message_count
         route.seed_key = ident.seed_key
+        if (route.action in (ASSIGNED, RESTORED) and body is not None and self.seeds is not None
+                and ident.system_chars >= self.config.seed_min_chars):
+            route.seed_source = (path, body)
         route.ms = (time.monotonic() - started) * 1000
         return self._begin(route, ident)
 
@@ -701,6 +710,10 @@ class Router:
                                   running)
                 if kind == policy.SIDE:
                     return self._route_side(url, info, ident, slots)
+                if owned is None and self.habits.is_one_off(
+                        system_key=ident.seed_key, opening=_talk_of(ident.rule, ident.session_id),
+                        session_id=ident.session_id, message_count=ident.message_count):
+                    return self._route_side(url, info, ident, slots, "one-off")
                 # Remembered before the handover: a request of the session arriving meanwhile
                 # must be judged against this conversation.
                 self._remember(url, ident.session_id, ident)
@@ -854,7 +867,7 @@ class Router:
         return claimed
 
     def _route_side(self, url: str, info: UpstreamInfo, ident: Identity,
-                    slots: list[SlotView]) -> Route:
+                    slots: list[SlotView], why: str = "side request") -> Route:
         """A side request (a small prompt, or not the session's conversation) goes to the best
         slot without claiming it, and never to its own session's slot while another is free.
         If that slot belongs to a session, its KV is saved first (when it is worth it) and the
@@ -865,6 +878,7 @@ class Router:
         ranking = choice.rank_slots(slots, claims, self.clock(), self.config.ttl)
         own = up.slot_of(ident.session_id) if up else None
         ranking = [s for s in ranking if s != own] or ranking
+        ranking = policy.order_for_side(ranking, _side_costs(slots, up))
         if not ranking:
             return self._fallback(url, info, ident, "server reports no slots",
                                   self.config.lock_timeout)
@@ -872,10 +886,10 @@ class Router:
         if lease is None:
             self._mark_all_stale(url)
             return Route(url, ident.session_id, ident.rule, None, UNPINNED,
-                         detail="side request; every slot busy")
+                         detail=f"{why}; every slot busy")
         with ExitStack() as stack:
             stack.enter_context(lease)
-            detail = "side request, slot not claimed"
+            detail = f"{why}, slot not claimed"
             note = self._displace(url, info, slot, None, _tokens_in(slots, slot))
             detail += f"; {note}" if note else ""
             route = Route(url, ident.session_id, ident.rule, slot, SIDE, detail=detail,
@@ -932,14 +946,6 @@ class Router:
                     info.client.erase(slot)
             except UpstreamError as e:
                 notes.append(f"erase failed ({e})")
-        if (not restored and self.seeds is not None and props is not None
-                and ident.seed_key is not None and body is not None):
-            started = time.monotonic()
-            built = self.seeds.build(info.client, props, slot, ident, path, body)
-            if built:
-                metrics.seed_built(built, time.monotonic() - started)
-                action, restored = SEEDED, built
-                notes.append(f"built seed of {built:,} tokens")
         if info.client.slot_actions_disabled:
             log.warning("%s: llama-server answers save/restore/erase with 501: start it with "
                         "--slot-save-path set to slotkeeper_slot_dir; sessions are pinned but "
@@ -1022,6 +1028,7 @@ class Router:
             verdict = self._verify_route(route, timings)
             if not verdict.startswith(policy.MISMATCH):
                 self._record(route, timings)
+                self._seed_afterwards(route, timings)
             return verdict
         finally:
             route.release()
@@ -1127,6 +1134,37 @@ class Router:
 
         self.state.update(change)
 
+    def _seed_afterwards(self, route: Route, timings: Timings | None) -> None:
+        """Issue #23: a seed is never built on a request's path. After the answer of a
+        conversation that holds its slot exclusively (a handover), if a second conversation
+        uses its system prompt and no seed exists: save the session (if it grew), cut the
+        slot to the system prefix (the server reuses it: one token evaluated), save that as
+        the seed, restore the session. Measured in DESIGN ("Seeds, taken afterwards")."""
+        source, lease = route.seed_source, route.lease
+        if (source is None or timings is None or lease is None or not lease.exclusive
+                or self.seeds is None or route.slot is None or route.action not in OWNING):
+            return
+        info = self.upstream(route.upstream)
+        props, key = info.props, route.seed_key
+        if props is None or info.client.slot_actions_disabled or not self.habits.seed_wanted(
+                key, ending=_talk_of(route.rule, route.session)):
+            return
+        if not self.seeds.wants(props, key):
+            return
+        up = self.state.read().upstreams.get(route.upstream)
+        rec = up.slots.get(route.slot) if up is not None else None
+        tokens = timings.prompt_tokens + max(timings.predicted_n - 1, 0)
+        if (rec is None or rec.owner != route.session or rec.stale
+                or not self._save_if_worth(route.upstream, info, route.slot, rec, tokens)):
+            return  # the session's KV could not be kept: never cut it
+        started = time.monotonic()
+        taken = self.seeds.take_afterwards(info.client, props, route.slot, key, *source,
+                                           route.session, route.messages)
+        if taken.seed_tokens:
+            metrics.seed_built(taken.seed_tokens, time.monotonic() - started)
+        if taken.restored == 0:
+            self._mark_stale(route.upstream, route.slot, route.session)
+
     def _check_reuse(self, route: Route, timings: Timings) -> None:
         """A restored snapshot (or seed) the server did not reuse is a miss: its tokens were not
         a prefix of the prompt. Two misses retire it (slotfiles)."""
@@ -1225,8 +1263,30 @@ def _resident_slot(doc: StateDoc, url: str, session: str) -> int | None:
     return slot
 
 
+def _side_costs(slots: list[SlotView], up) -> dict[int, tuple[bool, int]]:
+    """What running a request that claims nothing on each slot costs (policy.order_for_side):
+    busy or not, and FREE (nobody's KV), CURRENT (its owner's snapshot holds what the slot
+    holds: the owner pays one restore) or SAVE (its owner must be saved first)."""
+    costs = {}
+    for view in slots:
+        rec = up.slots.get(view.id) if up is not None else None
+        if rec is None or rec.stale:
+            cost = policy.FREE
+        elif rec.saved_tokens >= max(rec.tokens, view.n_tokens):
+            cost = policy.CURRENT
+        else:
+            cost = policy.SAVE
+        costs[view.id] = (view.is_processing, cost)
+    return costs
+
+
 def _tokens_in(slots: list[SlotView], slot: int) -> int:
     return next((s.n_tokens for s in slots if s.id == slot), 0)
+
+
+def _talk_of(rule: str, session: str) -> str:
+    """The conversation a session belongs to for habits: a content id's forks are one."""
+    return _opening_of(session) if rule == "content" else session
 
 
 def _opening_of(session: str) -> str:

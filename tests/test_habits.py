@@ -1,0 +1,99 @@
+"""habits: one-off requests and wanted seeds, told by what earlier requests like them did
+(issue #23). Pure, no server."""
+
+from __future__ import annotations
+
+import pytest
+
+from slotkeeper.habits import ONE_OFF_AFTER, Habits, names_a_task
+
+KEY = "k" * 64
+
+
+def one_request(habits: Habits, key: str, name: str) -> None:
+    habits.saw(key, name, name)
+    habits.ended(key, name)
+
+
+@pytest.mark.parametrize("session, task", [
+    ("title-ses_abc", True), ("summary_ses_1", True), ("ses_1:tags", True), ("memory", True),
+    ("ses_abc", False), ("entitled-user", False), ("content-1234abcd", False),
+    ("untitled", False), ("tagline-7", False),
+])
+def test_session_ids_that_name_a_task(session, task):
+    assert names_a_task(session) is task
+
+
+def test_a_named_task_is_a_one_off_from_its_first_request():
+    assert Habits().is_one_off(system_key=KEY, opening="title-s1", session_id="title-s1",
+                               message_count=1)
+
+
+def test_a_system_prompt_whose_conversations_end_after_one_request_is_one_off():
+    habits = Habits()
+    for i in range(ONE_OFF_AFTER):
+        assert not habits.is_one_off(system_key=KEY, opening=f"m{i}", session_id=f"m{i}",
+                                     message_count=1)
+        one_request(habits, KEY, f"m{i}")
+    assert habits.is_one_off(system_key=KEY, opening="m9", session_id="m9", message_count=1)
+    # Its leftovers: the sessions that ran before it was known.
+    assert habits.leftovers(KEY) == [f"m{i}" for i in range(ONE_OFF_AFTER)]
+    # Another system prompt, a request with history, or no system prompt: not one-off.
+    assert not habits.is_one_off(system_key="other", opening="x", session_id="x",
+                                 message_count=1)
+    assert not habits.is_one_off(system_key=KEY, opening="m9", session_id="m9",
+                                 message_count=3)
+    assert not habits.is_one_off(system_key=None, opening="m9", session_id="m9",
+                                 message_count=1)
+
+
+def test_running_or_continued_conversations_are_no_evidence():
+    habits = Habits()
+    habits.saw(KEY, "a", "a")  # two agents started at once: both still in their first turn
+    habits.saw(KEY, "b", "b")
+    assert not habits.is_one_off(system_key=KEY, opening="c", session_id="c", message_count=1)
+    habits.ended(KEY, "a")
+    habits.ended(KEY, "b")
+    habits.saw(KEY, "a", "a")  # a came back: the prompt is conversational
+    assert not habits.is_one_off(system_key=KEY, opening="c", session_id="c", message_count=1)
+    assert habits.leftovers(KEY) == []
+    # A conversation already seen is never a one-off.
+    assert not habits.is_one_off(system_key=KEY, opening="b", session_id="b", message_count=1)
+
+
+def test_a_seed_is_wanted_once_a_second_conversation_uses_the_prompt():
+    habits = Habits()
+    habits.saw(KEY, "a", "a")
+    assert not habits.seed_wanted(KEY, ending="a")  # one conversation: nobody to restore it
+    habits.ended(KEY, "a")
+    habits.saw(KEY, "a", "a")  # a's second turn
+    habits.ended(KEY, "a")
+    habits.saw(KEY, "b", "b")
+    assert habits.seed_wanted(KEY, ending="b")
+    assert not habits.seed_wanted(None)
+
+
+def test_forks_of_one_opening_want_a_seed():
+    """An agent that rebuilds its prompt forks a session per turn: one conversation, and its
+    forks restore the seed."""
+    habits = Habits()
+    one_request(habits, KEY, "content-1")
+    habits.saw(KEY, "content-1", "content-1.ab12cd34")
+    assert habits.seed_wanted(KEY, ending="content-1")
+
+
+def test_no_seed_for_a_prompt_of_one_offs():
+    habits = Habits()
+    one_request(habits, KEY, "m1")
+    habits.saw(KEY, "m2", "m2")
+    assert not habits.seed_wanted(KEY, ending="m2")  # m1 and m2 both ended after one request
+
+
+def test_memory_is_bounded():
+    habits = Habits(max_keys=3)
+    for i in range(10):
+        one_request(habits, f"key{i}", "s")
+    assert len(habits._keys) == 3
+    for i in range(40):
+        one_request(habits, KEY, f"s{i}")
+    assert len(habits._keys[KEY].openings) <= 16
