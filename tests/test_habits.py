@@ -38,6 +38,7 @@ def test_a_system_prompt_whose_conversations_end_after_one_request_is_one_off():
     assert habits.is_one_off(system_key=KEY, opening="m9", session_id="m9", message_count=1)
     # Its leftovers: the sessions that ran before it was known.
     assert habits.leftovers(KEY) == [f"m{i}" for i in range(ONE_OFF_AFTER)]
+    assert habits.leftovers(KEY) == []  # handed out once
     # Another system prompt, a request with history, or no system prompt: not one-off.
     assert not habits.is_one_off(system_key="other", opening="x", session_id="x",
                                  message_count=1)

@@ -112,3 +112,12 @@ def test_a_request_that_claims_nothing_takes_a_free_slot_then_a_saved_owners():
     # Within one cost, choice's ranking stands; an unknown slot is taken as busy.
     costs = {0: (False, policy.CURRENT), 1: (False, policy.CURRENT)}
     assert policy.order_for_side([1, 0, 5], costs) == [1, 0, 5]
+
+
+def test_a_retry_of_the_running_request_waits_for_it_on_its_slot():
+    """Issue #23: an SDK that gave up waiting sends the same request again while the original
+    still runs; it goes where the original went (MAIN), where a continuation goes SIDE."""
+    assert classify(MAIN_CHAIN, running=True) == MAIN
+    assert classify(MAIN_CHAIN + ("m4",), running=True) == SIDE
+    unknown = Conversation(None, 4, "", 20_000)  # an older record: no chain to compare
+    assert classify(MAIN_CHAIN, running=True, current=unknown) == SIDE

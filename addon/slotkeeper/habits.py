@@ -29,8 +29,7 @@ MAX_OPENINGS_PER_KEY = 16
 
 # Session ids that name a task rather than a conversation: `title-<session>` (seen: an agent's
 # title request), `summary_...`, `<session>:tags`. A word of its own, at the start or end.
-_TASK_WORDS = ("title", "titles", "tag", "tags", "summary", "summarize", "memory", "memories",
-)
+_TASK_WORDS = ("title", "titles", "tag", "tags", "summary", "summarize", "memory", "memories")
 _TASK_ID = re.compile(r"^(?:%s)(?:[-_:.]|$)|[-_:.](?:%s)$" % (("|".join(_TASK_WORDS),) * 2),
                       re.IGNORECASE)
 
@@ -46,6 +45,7 @@ class _Opening:
     running: int = 0
     ended: bool = False  # a request of it ended
     sessions: set[str] = field(default_factory=set)  # its forks (bounded)
+    cleaned: bool = False  # its leftovers were handed out once (leftovers)
 
     @property
     def continued(self) -> bool:
@@ -137,13 +137,16 @@ class Habits:
 
     def leftovers(self, system_key: str | None) -> list[str]:
         """Sessions of a system prompt now known as one-off (their conversations ended after
-        one request): their snapshots, written before that was known, will not be restored."""
+        one request): their snapshots, written before that was known, will not be restored.
+        Each session is handed out once."""
         if not system_key:
             return []
         with self._lock:
             key = self._keys.get(system_key)
             if key is None or key.any_continued() or key.ended_once() < ONE_OFF_AFTER:
                 return []
-            return sorted(session for o in key.openings.values()
-                          if o.ended and not o.continued and not o.running
-                          for session in o.sessions)
+            done = [o for o in key.openings.values()
+                    if o.ended and not o.continued and not o.running and not o.cleaned]
+            for o in done:
+                o.cleaned = True
+            return sorted(session for o in done for session in o.sessions)

@@ -89,12 +89,18 @@ def classify(*, chain: Sequence[str], system_key: str | None, prompt_chars: int,
       conversation now.
     Two requests of one session never queue on one slot: a continuation that finds its slot
     busy with the session's own request is placed as a side request; a new main conversation
-    moves to a slot of its own."""
+    moves to a slot of its own. The one exception is a retry: the running request itself
+    again (same conversation, same length) waits for it on its slot."""
     if prompt_chars < small_request_chars:
         return SIDE
     if resident is None:
         return MOVE if own_request_running else MAIN
     if extends(chain, resident):
+        if own_request_running and resident.head and len(chain) == resident.length:
+            # The very request that is running, again: a client's retry (an SDK that gave
+            # up waiting, X-Stainless-Retry-Count). It goes where the original went and
+            # reuses what the original prefilled there (issue #23).
+            return MAIN
         return SIDE if own_request_running else MAIN
     if system_key != resident.system_key and prompt_chars < resident.chars:
         return SIDE

@@ -713,6 +713,7 @@ class Router:
                 if owned is None and self.habits.is_one_off(
                         system_key=ident.seed_key, opening=_talk_of(ident.rule, ident.session_id),
                         session_id=ident.session_id, message_count=ident.message_count):
+                    self._drop_leftovers(url, ident.seed_key)
                     return self._route_side(url, info, ident, slots, "one-off")
                 # Remembered before the handover: a request of the session arriving meanwhile
                 # must be judged against this conversation.
@@ -896,6 +897,30 @@ class Router:
                           lease=lease)
             stack.pop_all()
             return route
+
+    def _drop_leftovers(self, url: str, seed_key: str | None) -> None:
+        """Issue #23: the system prompt turned out to be one of one-offs. What its earlier
+        requests left before that was known (their snapshots, their seed, their claims) will
+        never be restored: removed now, not when the disk budget is full."""
+        sessions = self.habits.leftovers(seed_key)
+        if not sessions:
+            return
+        if self.snapshots is not None:
+            for snapshot in [*sessions, seed_id(seed_key)]:
+                meta = self.snapshots.folder.read_meta(snapshot)
+                if meta is not None and self.snapshots.delete(snapshot):
+                    log.info("removed %s: its system prompt's requests are one-offs", snapshot)
+        gone = set(sessions)
+
+        def drop(doc: StateDoc) -> bool:
+            up = doc.upstream(url)
+            mine = [slot for slot, rec in up.slots.items() if rec.owner in gone]
+            for slot in mine:
+                del up.slots[slot]
+            return bool(mine)
+
+        if self.state.update(drop):
+            log.info("released the slots of one-offs %s", ", ".join(sorted(gone)))
 
     def _displace(self, url: str, info: UpstreamInfo, slot: int, session: str | None,
                   live_tokens: int, save: bool = True) -> str:
