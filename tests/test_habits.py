@@ -25,41 +25,35 @@ def test_session_ids_that_name_a_task(session, task):
 
 
 def test_a_named_task_is_a_one_off_from_its_first_request():
-    assert Habits().is_one_off(system_key=KEY, opening="title-s1", session_id="title-s1",
-                               message_count=1)
+    assert Habits().is_one_off(system_key=KEY, opening="title-s1", session_id="title-s1")
 
 
 def test_a_system_prompt_whose_conversations_end_after_one_request_is_one_off():
     habits = Habits()
     for i in range(ONE_OFF_AFTER):
-        assert not habits.is_one_off(system_key=KEY, opening=f"m{i}", session_id=f"m{i}",
-                                     message_count=1)
+        assert not habits.is_one_off(system_key=KEY, opening=f"m{i}", session_id=f"m{i}")
         one_request(habits, KEY, f"m{i}")
-    assert habits.is_one_off(system_key=KEY, opening="m9", session_id="m9", message_count=1)
+    assert habits.is_one_off(system_key=KEY, opening="m9", session_id="m9")
     # Its leftovers: the sessions that ran before it was known.
     assert habits.leftovers(KEY) == [f"m{i}" for i in range(ONE_OFF_AFTER)]
     assert habits.leftovers(KEY) == []  # handed out once
-    # Another system prompt, a request with history, or no system prompt: not one-off.
-    assert not habits.is_one_off(system_key="other", opening="x", session_id="x",
-                                 message_count=1)
-    assert not habits.is_one_off(system_key=KEY, opening="m9", session_id="m9",
-                                 message_count=3)
-    assert not habits.is_one_off(system_key=None, opening="m9", session_id="m9",
-                                 message_count=1)
+    # Another system prompt, or no system prompt: not one-off.
+    assert not habits.is_one_off(system_key="other", opening="x", session_id="x")
+    assert not habits.is_one_off(system_key=None, opening="m9", session_id="m9")
 
 
 def test_running_or_continued_conversations_are_no_evidence():
     habits = Habits()
     habits.saw(KEY, "a", "a")  # two agents started at once: both still in their first turn
     habits.saw(KEY, "b", "b")
-    assert not habits.is_one_off(system_key=KEY, opening="c", session_id="c", message_count=1)
+    assert not habits.is_one_off(system_key=KEY, opening="c", session_id="c")
     habits.ended(KEY, "a")
     habits.ended(KEY, "b")
     habits.saw(KEY, "a", "a")  # a came back: the prompt is conversational
-    assert not habits.is_one_off(system_key=KEY, opening="c", session_id="c", message_count=1)
+    assert not habits.is_one_off(system_key=KEY, opening="c", session_id="c")
     assert habits.leftovers(KEY) == []
     # A conversation already seen is never a one-off.
-    assert not habits.is_one_off(system_key=KEY, opening="b", session_id="b", message_count=1)
+    assert not habits.is_one_off(system_key=KEY, opening="b", session_id="b")
 
 
 def test_a_seed_is_wanted_once_a_second_conversation_uses_the_prompt():
@@ -98,3 +92,13 @@ def test_memory_is_bounded():
     for i in range(40):
         one_request(habits, KEY, f"s{i}")
     assert len(habits._keys[KEY].openings) <= 16
+
+
+def test_a_retry_is_not_a_second_turn():
+    habits = Habits()
+    habits.saw(KEY, "m1", "m1", "head1")
+    habits.saw(KEY, "m1", "m1", "head1")  # the SDK retried the same request
+    habits.ended(KEY, "m1")
+    habits.ended(KEY, "m1")
+    one_request(habits, KEY, "m2")
+    assert habits.is_one_off(system_key=KEY, opening="m3", session_id="m3")

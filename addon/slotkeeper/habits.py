@@ -41,7 +41,8 @@ def names_a_task(session_id: str) -> bool:
 
 @dataclass
 class _Opening:
-    requests: int = 0
+    requests: int = 0  # with different prompts: a retry of the same prompt does not count
+    last_prompt: str = ""
     running: int = 0
     ended: bool = False  # a request of it ended
     sessions: set[str] = field(default_factory=set)  # its forks (bounded)
@@ -72,8 +73,11 @@ class Habits:
         self._keys: OrderedDict[str, _Key] = OrderedDict()
         self._lock = threading.Lock()
 
-    def saw(self, system_key: str | None, opening: str, session_id: str) -> None:
-        """A request of this conversation is routed as a conversation (it may own a slot)."""
+    def saw(self, system_key: str | None, opening: str, session_id: str,
+            prompt: str = "") -> None:
+        """A request of this conversation is routed as a conversation (it may own a slot).
+        `prompt` names its content (identity's chain head): the same prompt again is a retry,
+        not a second turn."""
         if not system_key:
             return
         with self._lock:
@@ -88,7 +92,9 @@ class Habits:
                 seen = key.openings[opening] = _Opening()
                 while len(key.openings) > MAX_OPENINGS_PER_KEY:
                     key.openings.popitem(last=False)
-            seen.requests += 1
+            if not prompt or prompt != seen.last_prompt:
+                seen.requests += 1
+            seen.last_prompt = prompt
             seen.running += 1
             if len(seen.sessions) < MAX_OPENINGS_PER_KEY:
                 seen.sessions.add(session_id)
@@ -103,15 +109,14 @@ class Habits:
                 seen.running = max(seen.running - 1, 0)
                 seen.ended = True
 
-    def is_one_off(self, *, system_key: str | None, opening: str, session_id: str,
-                   message_count: int) -> bool:
+    def is_one_off(self, *, system_key: str | None, opening: str, session_id: str) -> bool:
         """A new conversation's request that will not be continued: its session id names a
-        task, or it opens with one user message under a system prompt whose earlier
-        conversations (at least ONE_OFF_AFTER) all ended after one request. A conversation
-        already seen is never one-off: it came back."""
+        task, or its system prompt's earlier conversations (at least ONE_OFF_AFTER) all ended
+        after one request. A conversation already seen is never one-off: it came back. The
+        size of the request does not enter (a memory request carries a whole transcript)."""
         if names_a_task(session_id):
             return True
-        if not system_key or message_count > 1:
+        if not system_key:
             return False
         with self._lock:
             key = self._keys.get(system_key)

@@ -370,7 +370,8 @@ class Router:
         route.conversation = self._remember(route.upstream, route.session, ident)
         route._on_release.append(lambda: self._leave(route.upstream, route.session))
         talk = _talk_of(route.rule, route.session)
-        self.habits.saw(ident.seed_key, talk, route.session)
+        self.habits.saw(ident.seed_key, talk, route.session,
+                        ident.chain[-1] if ident.chain else "")
         route._on_release.append(lambda: self.habits.ended(ident.seed_key, talk))
         return route
 
@@ -712,7 +713,7 @@ class Router:
                     return self._route_side(url, info, ident, slots)
                 if owned is None and self.habits.is_one_off(
                         system_key=ident.seed_key, opening=_talk_of(ident.rule, ident.session_id),
-                        session_id=ident.session_id, message_count=ident.message_count):
+                        session_id=ident.session_id):
                     self._drop_leftovers(url, ident.seed_key)
                     return self._route_side(url, info, ident, slots, "one-off")
                 # Remembered before the handover: a request of the session arriving meanwhile
