@@ -54,7 +54,7 @@ OWNING = frozenset({KEPT, ASSIGNED, RESTORED, SEEDED})
 MAX_REMEMBERED_SESSIONS = 4096
 MAX_FORKS_PER_OPENING = 16
 # Pool: a stale claim younger than this whose slot is leased is a handover in progress (a
-# restore takes milliseconds; building a seed of a long system prompt up to a minute here).
+# restore takes milliseconds; a large model's, seconds).
 HANDOVER_CLAIM_SECONDS = 120.0
 
 K = TypeVar("K")
@@ -1186,8 +1186,8 @@ class Router:
         started = time.monotonic()
         taken = self.seeds.take_afterwards(info.client, props, route.slot, key, *source,
                                            route.session, route.messages)
-        if taken.seed_tokens:
-            metrics.seed_built(taken.seed_tokens, time.monotonic() - started)
+        if taken.seed_tokens:  # tokens the server prefilled for it: 1 when it cut the slot
+            metrics.seed_built(taken.evaluated, time.monotonic() - started)
         if taken.restored == 0:
             self._mark_stale(route.upstream, route.slot, route.session)
 
