@@ -128,6 +128,8 @@ def test_a_first_turn_gets_its_headers_at_once_and_the_seed_comes_afterwards(
         headers_s, headers, timings, text = stream_headers_at(
             proxy.url, chat.session, [{"role": "system", "content": SYSTEM}, *chat.messages])
         chat.messages.append({"role": "assistant", "content": text})
+        print(f"\n{name}: headers after {headers_s * 1000:.0f} ms, prefill "
+              f"{timings['prompt_ms']:.0f} ms")
         assert headers_s < 1.5, (name, headers_s)
         assert timings["prompt_ms"] > HEADER_TIMEOUT_S * 1000, timings  # a seed would not fit
         assert headers["X-Slotkeeper-Action"] == "assigned", headers
@@ -143,6 +145,7 @@ def test_a_first_turn_gets_its_headers_at_once_and_the_seed_comes_afterwards(
     again = chats["b"].ask(proxy.url, "Thanks. One more?")
     assert again.action == "kept" and again.cache_n >= 0.95 * firsts["b"], again
     log = proxy.log_text()
+    print("\n".join(line for line in log.splitlines() if "seed" in line or "first-b" in line))
     assert re.search(r"took seed seed~\w+ from first-b's slot", log), log[-3000:]
     assert "Traceback" not in log
 
@@ -165,12 +168,16 @@ def test_a_retry_lands_on_the_original_slot_and_is_prefilled_once(make_llama, ma
         raise AssertionError("the original answered within 3 s: the prompt is too short")
     except requests.exceptions.ReadTimeout:
         pass
+    started = time.monotonic()
     r = requests.post(proxy.url + "/v1/chat/completions", json=body, timeout=600,
                       headers={**headers, "X-Stainless-Retry-Count": "1"})
+    print(f"\nretry answered in {time.monotonic() - started:.1f} s")
     assert r.status_code == 200, r.text[:300]
     timings = r.json()["timings"]
     total = timings["prompt_n"] + timings["cache_n"]
     log = server.log_text()
+    print("\n".join(line for line in log.splitlines()
+                    if "cancel" in line or "release" in line or "stop processing" in line))
     assert "cancel task" in log, log[-3000:]  # the original stopped when its client left
     # Prefilled once: the retry reuses what the original evaluated on the same slot.
     assert timings["cache_n"] >= total - 4, timings
