@@ -11,8 +11,16 @@ KEY = "k" * 64
 
 
 def one_request(habits: Habits, key: str, name: str) -> None:
-    habits.saw(key, name, name)
+    habits.saw(key, name, name, f"{name}-prompt")
     habits.ended(key, name)
+
+
+def agent_turn(habits: Habits, turn: int) -> None:
+    """The agent's own conversation (another system prompt) comes back: its next turn (two
+    requests, so the first call is a continuation too)."""
+    for part in ("question", "tool result"):
+        habits.saw("agent-key", "agent", "agent", f"agent-turn-{turn}-{part}")
+        habits.ended("agent-key", "agent")
 
 
 @pytest.mark.parametrize("session, task", [
@@ -30,9 +38,11 @@ def test_a_named_task_is_a_one_off_from_its_first_request():
 
 def test_a_system_prompt_whose_conversations_end_after_one_request_is_one_off():
     habits = Habits()
+    agent_turn(habits, 1)
     for i in range(ONE_OFF_AFTER):
         assert not habits.is_one_off(system_key=KEY, opening=f"m{i}", session_id=f"m{i}")
-        one_request(habits, KEY, f"m{i}")
+        one_request(habits, KEY, f"m{i}")  # a memory request after each of the agent's turns
+        agent_turn(habits, i + 2)
     assert habits.is_one_off(system_key=KEY, opening="m9", session_id="m9")
     # Its leftovers: the sessions that ran before it was known.
     assert habits.leftovers(KEY) == [f"m{i}" for i in range(ONE_OFF_AFTER)]
@@ -42,14 +52,26 @@ def test_a_system_prompt_whose_conversations_end_after_one_request_is_one_off():
     assert not habits.is_one_off(system_key=None, opening="m9", session_id="m9")
 
 
+def test_sessions_started_one_after_another_are_no_evidence():
+    """A demo or a benchmark starts three sessions with one system prompt, one turn each,
+    before any second turn: nothing came back yet because nothing had the chance."""
+    habits = Habits()
+    one_request(habits, KEY, "demo-1")
+    one_request(habits, KEY, "demo-2")
+    assert not habits.is_one_off(system_key=KEY, opening="demo-3", session_id="demo-3")
+    agent_turn(habits, 1)  # now something came back, and demo-1 and -2 did not
+    assert habits.is_one_off(system_key=KEY, opening="demo-3", session_id="demo-3")
+
+
 def test_running_or_continued_conversations_are_no_evidence():
     habits = Habits()
-    habits.saw(KEY, "a", "a")  # two agents started at once: both still in their first turn
-    habits.saw(KEY, "b", "b")
+    habits.saw(KEY, "a", "a", "a1")  # two agents started at once: both in their first turn
+    habits.saw(KEY, "b", "b", "b1")
+    agent_turn(habits, 1)
     assert not habits.is_one_off(system_key=KEY, opening="c", session_id="c")
     habits.ended(KEY, "a")
     habits.ended(KEY, "b")
-    habits.saw(KEY, "a", "a")  # a came back: the prompt is conversational
+    habits.saw(KEY, "a", "a", "a2")  # a came back: the prompt is conversational
     assert not habits.is_one_off(system_key=KEY, opening="c", session_id="c")
     assert habits.leftovers(KEY) == []
     # A conversation already seen is never a one-off.
@@ -58,12 +80,12 @@ def test_running_or_continued_conversations_are_no_evidence():
 
 def test_a_seed_is_wanted_once_a_second_conversation_uses_the_prompt():
     habits = Habits()
-    habits.saw(KEY, "a", "a")
+    habits.saw(KEY, "a", "a", "a1")
     assert not habits.seed_wanted(KEY, ending="a")  # one conversation: nobody to restore it
     habits.ended(KEY, "a")
-    habits.saw(KEY, "a", "a")  # a's second turn
+    habits.saw(KEY, "a", "a", "a2")  # a's second turn
     habits.ended(KEY, "a")
-    habits.saw(KEY, "b", "b")
+    habits.saw(KEY, "b", "b", "b1")
     assert habits.seed_wanted(KEY, ending="b")
     assert not habits.seed_wanted(None)
 
@@ -73,14 +95,15 @@ def test_forks_of_one_opening_want_a_seed():
     forks restore the seed."""
     habits = Habits()
     one_request(habits, KEY, "content-1")
-    habits.saw(KEY, "content-1", "content-1.ab12cd34")
+    habits.saw(KEY, "content-1", "content-1.ab12cd34", "turn-2")
     assert habits.seed_wanted(KEY, ending="content-1")
 
 
 def test_no_seed_for_a_prompt_of_one_offs():
     habits = Habits()
     one_request(habits, KEY, "m1")
-    habits.saw(KEY, "m2", "m2")
+    agent_turn(habits, 1)
+    habits.saw(KEY, "m2", "m2", "m2-prompt")
     assert not habits.seed_wanted(KEY, ending="m2")  # m1 and m2 both ended after one request
 
 
@@ -100,5 +123,7 @@ def test_a_retry_is_not_a_second_turn():
     habits.saw(KEY, "m1", "m1", "head1")  # the SDK retried the same request
     habits.ended(KEY, "m1")
     habits.ended(KEY, "m1")
+    agent_turn(habits, 1)
     one_request(habits, KEY, "m2")
+    agent_turn(habits, 2)
     assert habits.is_one_off(system_key=KEY, opening="m3", session_id="m3")

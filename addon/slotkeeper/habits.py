@@ -44,7 +44,7 @@ class _Opening:
     requests: int = 0  # with different prompts: a retry of the same prompt does not count
     last_prompt: str = ""
     running: int = 0
-    ended: bool = False  # a request of it ended
+    ended_at: int = -1  # Habits.turns when a request of it last ended (-1: none yet)
     sessions: set[str] = field(default_factory=set)  # its forks (bounded)
     cleaned: bool = False  # its leftovers were handed out once (leftovers)
 
@@ -57,9 +57,13 @@ class _Opening:
 class _Key:
     openings: OrderedDict[str, _Opening] = field(default_factory=OrderedDict)
 
-    def ended_once(self) -> int:
+    def ended_once(self, turns: int) -> int:
+        """Conversations that ended after one request and did not come back although the
+        client had the time: another conversation (any system prompt) had a next turn since
+        (`turns` counts those). Sessions started one after another, each waiting for its
+        next turn, are no evidence until something comes back."""
         return sum(1 for o in self.openings.values()
-                   if o.ended and not o.continued and not o.running)
+                   if 0 <= o.ended_at < turns and not o.continued and not o.running)
 
     def any_continued(self) -> bool:
         return any(o.continued for o in self.openings.values())
@@ -72,6 +76,7 @@ class Habits:
         self.max_keys = max_keys
         self._keys: OrderedDict[str, _Key] = OrderedDict()
         self._lock = threading.Lock()
+        self.turns = 0  # next turns seen, any system prompt: the clock of ended_once
 
     def saw(self, system_key: str | None, opening: str, session_id: str,
             prompt: str = "") -> None:
@@ -94,6 +99,7 @@ class Habits:
                     key.openings.popitem(last=False)
             if not prompt or prompt != seen.last_prompt:
                 seen.requests += 1
+                self.turns += seen.requests > 1
             seen.last_prompt = prompt
             seen.running += 1
             if len(seen.sessions) < MAX_OPENINGS_PER_KEY:
@@ -107,7 +113,7 @@ class Habits:
             seen = key.openings.get(opening) if key else None
             if seen is not None:
                 seen.running = max(seen.running - 1, 0)
-                seen.ended = True
+                seen.ended_at = self.turns
 
     def is_one_off(self, *, system_key: str | None, opening: str, session_id: str) -> bool:
         """A new conversation's request that will not be continued: its session id names a
@@ -122,7 +128,7 @@ class Habits:
             key = self._keys.get(system_key)
             if key is None or opening in key.openings or key.any_continued():
                 return False
-            return key.ended_once() >= ONE_OFF_AFTER
+            return key.ended_once(self.turns) >= ONE_OFF_AFTER
 
     def seed_wanted(self, system_key: str | None, ending: str = "") -> bool:
         """A seed is worth taking once a second conversation (or a fork) uses the system
@@ -137,8 +143,8 @@ class Habits:
                 return False
             now_ended = key.openings.get(ending)
             extra = int(now_ended is not None and not now_ended.continued
-                        and now_ended.running <= 1 and not now_ended.ended)
-            return key.any_continued() or key.ended_once() + extra < ONE_OFF_AFTER
+                        and now_ended.running <= 1)
+            return key.any_continued() or key.ended_once(self.turns) + extra < ONE_OFF_AFTER
 
     def leftovers(self, system_key: str | None) -> list[str]:
         """Sessions of a system prompt now known as one-off (their conversations ended after
@@ -148,10 +154,10 @@ class Habits:
             return []
         with self._lock:
             key = self._keys.get(system_key)
-            if key is None or key.any_continued() or key.ended_once() < ONE_OFF_AFTER:
+            if key is None or key.any_continued() or key.ended_once(self.turns) < ONE_OFF_AFTER:
                 return []
             done = [o for o in key.openings.values()
-                    if o.ended and not o.continued and not o.running and not o.cleaned]
+                    if o.ended_at >= 0 and not o.continued and not o.running and not o.cleaned]
             for o in done:
                 o.cleaned = True
             return sorted(session for o in done for session in o.sessions)
