@@ -224,3 +224,35 @@ def test_a_title_one_off_leaves_the_conversations_and_the_folder_as_they_were(
         turn = chat.ask(proxy.url, "Next: and -k?")
         assert turn.action == "kept" and turn.slot == first.slot, turn
         assert turn.cache_n >= first.prompt_tokens - 4, (turn, first)
+
+
+def test_memory_requests_after_each_turn_become_one_offs_and_leave_no_files(
+        make_llama, make_proxy, tmp_path):
+    """An agent sends a header-less "memory" request after each of its turns (its own system
+    prompt, the transcript; a new content session each time). Once two of them ended without
+    a second request while the agent came back, the third is a one-off (no claim), and what
+    the first two left (snapshots, claims) is removed: the folder holds the agent's files
+    only."""
+    slots = tmp_path / "slots"
+    server = make_llama(np=3, ctx=3 * 4096, slot_save_path=slots)
+    proxy = make_proxy(server, slotkeeper_slot_dir=str(slots), slotkeeper_idle_save_seconds=1)
+    agent = Conversation("agent-7", long_system_prompt(400, seed=250))
+    memory_system = "You keep the user's memory file. " + long_system_prompt(400, seed=251)
+    actions = []
+    for turn in range(3):
+        agent.ask(proxy.url, f"Step {turn}: what does pytest -x do?")
+        transcript = " ".join(m["content"] for m in agent.messages)
+        r = requests.post(proxy.url + "/v1/chat/completions", timeout=600, json={
+            "messages": [{"role": "system", "content": memory_system},
+                         {"role": "user", "content": f"Update the memory from: {transcript}"}],
+            "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text[:300]
+        actions.append(r.headers["X-Slotkeeper-Action"])
+        time.sleep(2.5)  # idle saves of whatever owns a slot
+    assert actions[:2] == ["assigned", "assigned"] and actions[2] == "side", actions
+    current = requests.get(proxy.url + "/api/sessions/current", timeout=30).json()
+    owners = {info["session"] for up in current["upstreams"].values()
+              for info in up["slots"].values()}
+    assert owners == {"agent-7"}, current
+    metas = [json.loads(p.read_text()) for p in slots.glob("*.json")]
+    assert {m["session_id"] for m in metas} == {"agent-7"}, metas
