@@ -43,7 +43,7 @@ def _use_the_venv() -> None:
 
 _use_the_venv()
 
-from slotkeeper.cli import load_conf, set_args  # noqa: E402
+from slotkeeper.conf import load_conf, set_args  # noqa: E402
 from testbed import MITMDUMP, LlamaServer, Proxy  # noqa: E402
 
 BENCH_DIR = REPO / "docs" / "bench"

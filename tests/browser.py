@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
-from slotkeeper.cli import die_with_parent
+from slotkeeper.local import die_with_parent
 
 # As Debian's headless Chromium runs best in a container: no sandbox (root), no GPU, and no
 # network of its own (QUIC, background updates, sync) since only loopback is reachable.

@@ -19,7 +19,8 @@ from typing import Any
 
 from mitmproxy import ctx, http
 
-from slotkeeper.addon import SUMMARY_KEY, make_addons
+from slotkeeper.addon import make_addons
+from slotkeeper.flows import SUMMARY_KEY
 
 SNAPSHOT_KEY = "recorded_request"
 

@@ -12,7 +12,7 @@ import pytest
 import requests
 from testbed import MITMDUMP, Proxy
 
-from slotkeeper.cli import set_args
+from slotkeeper.conf import set_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from pool_baselines import busy_slots, choose_upstream  # noqa: E402

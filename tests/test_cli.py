@@ -10,9 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from slotkeeper.cli import (DEMO_MODEL_FLAGS, LocalServer, REPO_ROOT, load_conf, model_flags,
-                            MODEL_NAME)
+from slotkeeper.conf import load_conf
+from slotkeeper.local import DEMO_MODEL_FLAGS, MODEL_NAME, LocalServer, model_flags
 from slotkeeper.state import StateDoc
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 SLOTKEEPER = Path(sys.executable).parent / "slotkeeper"
 ADDON = str(REPO_ROOT / "addon" / "slotkeeper_addon.py")

@@ -146,13 +146,13 @@ def test_seed_key_is_the_digest_of_system_and_canonical_tools(client: str) -> No
     seed and every recorded conversation would stop matching after an upgrade."""
     import hashlib
 
-    from slotkeeper import identity
+    from slotkeeper import identity, prompts
 
     checked = 0
     for entry in load(client):
-        prompt = identity._read_prompt(entry["path"], entry["body"])
+        prompt = prompts.read_prompt(entry["path"], entry["body"])
         tools = entry["body"].get("tools") if isinstance(entry["body"], dict) else None
-        canonical = identity._canonical(tools) if isinstance(tools, list) and tools else None
+        canonical = prompts.canonical(tools) if isinstance(tools, list) and tools else None
         whole = json.dumps({"system": identity._hashable_system(prompt.system_parts),
                             "tools": canonical},
                            ensure_ascii=True, sort_keys=True, separators=(",", ":"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from slotkeeper.cli import LocalServer, start_local_server, stop
+from slotkeeper.local import LocalServer, start_local_server, stop
 from testbed import chat, content_of, free_port
 
 SLOTKEEPER = Path(sys.executable).parent / "slotkeeper"

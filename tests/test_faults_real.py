@@ -32,7 +32,7 @@ import requests
 
 from fake_upstream import Fault, FakeFaultyLlama
 from reliability import problems_in, reliability  # noqa: F401  (reliability: the fixture)
-from slotkeeper.slotfiles import FILE_NAME_RE, file_name_for
+from slotkeeper.paths import FILE_NAME_RE, file_name_for
 from testbed import LlamaServer, Proxy, long_system_prompt
 
 RELIABILITY_AREA = "llama-server faults"

@@ -18,10 +18,11 @@ from mitmproxy.test import tflow
 
 from reliability import reliability  # noqa: F401  (the fixture)
 from slotkeeper import bodies
-from slotkeeper.api import is_loopback, management_access
+from slotkeeper.access import is_loopback, management_access
 from slotkeeper.bodies import BodyError, BodyTooDeep, BodyTooLarge
 from slotkeeper.paths import PathOutsideFolder
-from slotkeeper.slotfiles import FILE_NAME_RE, SessionMeta, SlotFolder, file_name_for
+from slotkeeper.paths import FILE_NAME_RE, file_name_for
+from slotkeeper.slotfiles import SessionMeta, SlotFolder
 from slotkeeper.state import SlotRecord, StateFile
 
 RELIABILITY_AREA = "hostile input"

@@ -25,7 +25,7 @@ import requests
 
 from reliability import problems_in, reliability  # noqa: F401  (reliability: the fixture)
 from slotkeeper.identity import _normalise_id
-from slotkeeper.slotfiles import FILE_NAME_RE, file_name_for
+from slotkeeper.paths import FILE_NAME_RE, file_name_for
 from testbed import LlamaServer, Proxy
 
 RELIABILITY_AREA = "hostile input"

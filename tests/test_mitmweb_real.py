@@ -19,8 +19,8 @@ from mitmproxy.contentviews import Metadata, registry
 from mitmproxy.utils.emoji import emoji
 
 from slotkeeper import contentview
-from slotkeeper.addon import MARKERS
-from slotkeeper.cli import load_conf
+from slotkeeper.flows import MARKERS
+from slotkeeper.conf import load_conf
 from testbed import (MITMDUMP, REPO, LlamaServer, Proxy, chat, free_port, long_system_prompt,
                      port_open)
 

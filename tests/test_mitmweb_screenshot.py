@@ -21,7 +21,7 @@ import requests
 from mitmproxy.utils.emoji import emoji
 
 from browser import Browser, chromium_binary
-from slotkeeper.addon import MARKERS
+from slotkeeper.flows import MARKERS
 from slotkeeper.contentview import flow_comment
 from testbed import free_port, log_tail, long_system_prompt, wait_for_mitmproxy
 

@@ -116,7 +116,7 @@ def test_markers_are_plain_symbols_mitmweb_knows():
 
     from mitmproxy.utils.emoji import emoji
 
-    from slotkeeper.addon import MARKERS
+    from slotkeeper.flows import MARKERS
 
     assert len(set(MARKERS.values())) == len(MARKERS)
     for action, marker in MARKERS.items():

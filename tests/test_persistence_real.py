@@ -11,7 +11,7 @@ import requests
 
 from helpers import Conversation, interleave
 from testbed import long_system_prompt
-from slotkeeper.slotfiles import file_name_for
+from slotkeeper.paths import file_name_for
 
 SAVE_OPTIONS = {"slotkeeper_small_request_chars": 0, "slotkeeper_idle_save_seconds": 1}
 

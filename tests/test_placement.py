@@ -142,7 +142,7 @@ def test_pool_options_are_checked_and_reach_the_router(tmp_path) -> None:
     keeper = SlotKeeper()
     with taddons.context(keeper) as tctx:
         tctx.configure(keeper, slotkeeper_state_file=str(tmp_path / "state.json"))
-        assert not keeper.router.pooled  # empty: one upstream, as before
+        assert not keeper.router.pool.pooled  # empty: one upstream, as before
         tctx.configure(keeper, slotkeeper_upstreams=[A, B + "/"],
                        slotkeeper_placement=LEAST_BUSY)
         assert keeper.router.config.upstreams == (A, B)
@@ -159,7 +159,7 @@ def test_pool_options_are_checked_and_reach_the_router(tmp_path) -> None:
 def test_a_flow_is_pointed_at_its_server_with_a_matching_host_header() -> None:
     from mitmproxy.test import tflow
 
-    from slotkeeper.addon import point_at, upstream_of
+    from slotkeeper.flows import point_at, upstream_of
 
     flow = tflow.tflow()
     flow.request.scheme, flow.request.host, flow.request.port = "http", "127.0.0.1", 8081

@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from helpers import Conversation
-from slotkeeper.slotfiles import file_name_for
+from slotkeeper.paths import file_name_for
 from slotkeeper.status import gather, render
 from testbed import LlamaServer, long_system_prompt
 

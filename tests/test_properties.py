@@ -3,7 +3,7 @@ given away while it is live, choices are deterministic, and no input makes them 
 Identity properties are in test_identity.py.
 
 - `rank_slots`: a slot whose claim is live never ranks before an idle free or abandoned slot.
-- `Router._claim` against a real StateFile: a claim that is live and not the one ranked is
+- `walk.claim` against a real StateFile: a claim that is live and not the one ranked is
   never overwritten, and no session ever ends up with two slots.
 - The router end to end (real StateFile and slot locks in a tmpfs folder, a stub in place of
   llama-server's admin API): for any interleaving of requests, responses, side requests and
@@ -27,8 +27,10 @@ from slotkeeper.bodies import Timings
 from slotkeeper.choice import Claim, SlotView, fallback_slot, is_abandoned, rank_slots
 from slotkeeper.identity import Identity
 from slotkeeper.locks import SlotLocks
-from slotkeeper.router import (ASSIGNED, KEPT, RESTORED, SEEDED, Route, Router, RouterConfig,
-                               UpstreamInfo)
+from slotkeeper.router import Router
+from slotkeeper.routes import ASSIGNED, KEPT, RESTORED, SEEDED, Route, RouterConfig
+from slotkeeper.upstreams import UpstreamInfo
+from slotkeeper.walk import claim
 from slotkeeper.state import SlotRecord, StateDoc, StateFile
 from slotkeeper.upstream import ServerProps
 
@@ -120,7 +122,7 @@ def test_fallback_slot_is_stable_and_in_range(session, count):
     assert (slot is None) if count <= 0 else (0 <= slot < count)
 
 
-# ---- Router._claim against a real state file ------------------------------------------------
+# ---- walk.claim against a real state file ------------------------------------------------
 
 def ident(session: str, prompt_chars: int = 5000, messages: int = 1) -> Identity:
     return Identity(session_id=session, rule="header x-session-id", parent_id=None,
@@ -158,7 +160,7 @@ def claim_cases(draw):
 @settings(max_examples=300, deadline=None, suppress_health_check=FIXTURE_OK)
 @given(claim_cases())
 def test_claim_never_takes_a_live_claim_it_did_not_rank(reliability, case):
-    reliability.row("Router._claim against a real state file, 300 random tables of claims "
+    reliability.row("walk.claim against a real state file, 300 random tables of claims "
                     "(live, stale, abandoned, on slots that are gone) with the caller's view "
                     "current, missing or outdated",
                     outcome="a live claim that was not the one ranked was never overwritten "
@@ -176,7 +178,8 @@ def test_claim_never_takes_a_live_claim_it_did_not_rank(reliability, case):
             doc.upstream(URL).slots.update(recs)
 
         router.state.update(setup)
-        result = router._claim(URL, slot, ident(session), expected=expected, live_ids=live_ids)
+        result = claim(router.state, router.config, router.clock(), URL, slot, ident(session),
+                       expected=expected, live_ids=live_ids)
         after = router.state.read().upstreams[URL].slots
     previous = recs.get(slot)
     owned_elsewhere = next((k for k, r in recs.items() if r.owner == session and k != slot), None)
@@ -248,7 +251,7 @@ def simulate(ops: list[tuple], n_slots: int) -> list[tuple]:
     decisions = []
     with scratch() as folder:
         router = make_router(folder, clock=lambda: clock[0])
-        router._upstreams[URL] = UpstreamInfo(stub)  # type: ignore[arg-type]
+        router.upstreams.put(URL, UpstreamInfo(stub))  # type: ignore[arg-type]
         for op in ops:
             if op[0] == "request":
                 _, session, side = op

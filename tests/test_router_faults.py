@@ -18,10 +18,12 @@ from mitmproxy.test import taddons, tflow
 
 from helpers import Conversation
 from slotkeeper import addon as addon_module
-from slotkeeper.addon import SlotKeeper, upstream_of
+from slotkeeper.addon import SlotKeeper
+from slotkeeper.flows import upstream_of
 from slotkeeper.identity import Identity, identify
 from slotkeeper.locks import SlotLocks
-from slotkeeper.router import KEPT, MAX_REMEMBERED_SESSIONS, Recent, Route, Router, RouterConfig
+from slotkeeper.router import Router
+from slotkeeper.routes import KEPT, MAX_REMEMBERED_SESSIONS, Recent, Route, RouterConfig
 from slotkeeper.seeds import seed_id
 from slotkeeper.slotfiles import SlotFolder, read_state_header
 from slotkeeper.state import StateFile
@@ -123,7 +125,7 @@ def test_fault2_releases_never_queue_behind_lease_waits(tmp_path):
     that `finish` (which releases leases) also ran on: the release that would end their wait
     queued behind them. Releases now have their own pool."""
     keeper = SlotKeeper()
-    keeper.idle_save_seconds = 0
+    keeper.idle_saves.seconds = 0
     keeper.router = make_router(tmp_path)
     stop_waiting = threading.Event()
     waiters = [keeper.pool.submit(stop_waiting.wait, 30) for _ in range(64)]
@@ -131,7 +133,7 @@ def test_fault2_releases_never_queue_behind_lease_waits(tmp_path):
     route = Route("http://u:1", "s", "header", 0, KEPT, lease=lease)
     keeper.in_flight = 1
     try:
-        asyncio.run(asyncio.wait_for(keeper._finish(route, None), timeout=5))
+        asyncio.run(asyncio.wait_for(keeper._end(route, None), timeout=5))
         assert not lease.held and keeper.in_flight == 0
     finally:
         stop_waiting.set()
@@ -186,7 +188,7 @@ def test_fault3_fallback_request_holds_the_slot_lease(tmp_path):
     """With /slots unusable the hashed request took no lease: it could run on a slot during a
     handover. A stand-in upstream (named) whose /slots fails: a real server with --no-slots
     shows the same, but this checks the lease while the request is in flight."""
-    from slotkeeper.router import UpstreamInfo
+    from slotkeeper.upstreams import UpstreamInfo
     from slotkeeper.upstream import SlotsUnavailable
 
     class FakeNoSlotsLlama:  # /slots disabled (--no-slots), 2 slots
@@ -202,7 +204,7 @@ def test_fault3_fallback_request_holds_the_slot_lease(tmp_path):
             return 0
 
     router = make_router(tmp_path)
-    router._upstreams["http://u:1"] = UpstreamInfo(FakeNoSlotsLlama())  # type: ignore[arg-type]
+    router.upstreams.put("http://u:1", UpstreamInfo(FakeNoSlotsLlama()))  # type: ignore[arg-type]
     route = router.route("http://u:1", header_ident("f3-fallback"))
     assert route.action == "fallback" and route.lease is not None and route.lease.exclusive
     assert router.locks.try_acquire("http://u:1", route.slot, exclusive=False) is None
@@ -226,9 +228,9 @@ def test_fault4_concurrent_saves_of_one_session_never_mix(make_llama, tmp_path):
         assert r.status_code == 200
     folder = SlotFolder(slots)
     router = make_router(tmp_path, folder)
-    router.upstream(server.url)
-    router._verify(server.url, router.upstream(server.url))
-    info = router.upstream(server.url)
+    router.upstreams.get(server.url)
+    router.upstreams.verify(server.url, router.upstreams.get(server.url))
+    info = router.upstreams.get(server.url)
 
     first_in_meta = threading.Event()
     write_meta = folder.write_meta
@@ -242,9 +244,9 @@ def test_fault4_concurrent_saves_of_one_session_never_mix(make_llama, tmp_path):
     folder.write_meta = slow_write_meta  # type: ignore[method-assign]
     results = {}
     first = threading.Thread(name="first", target=lambda: results.setdefault(
-        "first", router.save_slot(server.url, info, 0, "f4", 1)))
+        "first", router.saves.save_slot(server.url, info, 0, "f4", 1)))
     second = threading.Thread(name="second", target=lambda: results.setdefault(
-        "second", router.save_slot(server.url, info, 1, "f4", 1)))
+        "second", router.saves.save_slot(server.url, info, 1, "f4", 1)))
     first.start()
     assert first_in_meta.wait(30)
     second.start()
@@ -335,14 +337,14 @@ def test_fault6_an_option_change_keeps_the_routers_knowledge(tmp_path):
     with taddons.context(keeper) as tctx:
         tctx.configure(keeper, slotkeeper_state_file=str(tmp_path / "state.json"))
         first = keeper.router
-        info = first.upstream("http://u:1")
+        info = first.upstreams.get("http://u:1")
         info.props = ServerProps(total_slots=2, n_ctx=4096, model_path="m", build_info="b",
                                  raw={})
-        from slotkeeper.router import Seen
+        from slotkeeper.routes import Seen
         info.last_seen["s"] = Seen(1.0, 900, 3)
         tctx.configure(keeper, slotkeeper_ttl=60)
         assert keeper.router is not first and keeper.router.config.ttl == 60
-        kept = keeper.router.upstream("http://u:1")
+        kept = keeper.router.upstreams.get("http://u:1")
         assert kept.props == info.props and kept.last_seen["s"] == Seen(1.0, 900, 3)
         assert kept.suspect  # still verified before its slots are trusted
 
@@ -351,8 +353,8 @@ def test_fault6_an_option_change_keeps_the_routers_knowledge(tmp_path):
 
 def test_fault7_per_session_memories_are_bounded(tmp_path):
     router = make_router(tmp_path)
-    info = router.upstream("http://u:1")
-    from slotkeeper.router import Seen
+    info = router.upstreams.get("http://u:1")
+    from slotkeeper.routes import Seen
     for k in range(MAX_REMEMBERED_SESSIONS + 500):
         info.last_seen[f"s{k}"] = Seen(float(k), k, 1)
         info.usage_written[f"s{k}"] = float(k)
@@ -394,7 +396,7 @@ def test_fault8_no_unified_cache_warning_for_an_explicit_split(tmp_path, caplog)
     a real server with a 131072-token cache needs 2.4 GB of KV for this model, more than the
     test machine spares."""
     from slotkeeper.choice import SlotView
-    from slotkeeper.router import UpstreamInfo
+    from slotkeeper.upstreams import UpstreamInfo
 
     class FakeSplitCacheLlama:  # -np 4 -c 131072, n_ctx_train 32768
         slot_actions_disabled = False
@@ -412,7 +414,7 @@ def test_fault8_no_unified_cache_warning_for_an_explicit_split(tmp_path, caplog)
     router = make_router(tmp_path)
     info = UpstreamInfo(FakeSplitCacheLlama())  # type: ignore[arg-type]
     with caplog.at_level(logging.WARNING, logger="slotkeeper"):
-        router._verify("http://u:1", info)
+        router.upstreams.verify("http://u:1", info)
     assert info.checked and not caplog.records, [r.getMessage() for r in caplog.records]
 
 
@@ -436,8 +438,8 @@ def test_fault9_save_duration_is_the_servers_not_the_wait(make_llama, tmp_path, 
         "prompt": long_system_prompt(250, seed=90), "n_predict": 1, "id_slot": 0,
         "cache_prompt": True}).raise_for_status()
     router = make_router(tmp_path, SlotFolder(slots))
-    info = router.upstream(server.url)
-    router._verify(server.url, info)
+    info = router.upstreams.get(server.url)
+    router.upstreams.verify(server.url, info)
     generating = threading.Thread(target=lambda: requests.post(
         server.url + "/completion", timeout=300, json={
             "prompt": long_system_prompt(250, seed=90) + " more", "n_predict": 240,
@@ -446,7 +448,7 @@ def test_fault9_save_duration_is_the_servers_not_the_wait(make_llama, tmp_path, 
     time.sleep(0.3)
     started = time.monotonic()
     with caplog.at_level(logging.INFO, logger="slotkeeper"):
-        saved = router.save_slot(server.url, info, 0, "f9-save", 1)
+        saved = router.saves.save_slot(server.url, info, 0, "f9-save", 1)
     waited = time.monotonic() - started
     generating.join(300)
     assert saved > 0 and waited > 1.0, (saved, waited)

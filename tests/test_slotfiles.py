@@ -16,8 +16,8 @@ import requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from slotkeeper.paths import PathOutsideFolder
+from slotkeeper.paths import FILE_NAME_RE
 from slotkeeper.slotfiles import (
-    FILE_NAME_RE,
     MAX_MISSES,
     SUPPORTED_STATE_VERSIONS,
     SessionMeta,

@@ -14,8 +14,8 @@ from typing import Any
 
 import requests
 
-from slotkeeper.addon import default_state_dir
-from slotkeeper.cli import state_dir
+from slotkeeper.settings import default_state_dir
+from slotkeeper.local import state_dir
 from testbed import long_system_prompt
 
 SLOTKEEPER = Path(sys.executable).parent / "slotkeeper"

@@ -17,8 +17,8 @@ from typing import Any, Self
 
 import requests
 
-from slotkeeper.cli import (cached_llama_server, cached_model, die_with_parent, model_flags,
-                            set_args)
+from slotkeeper.conf import set_args
+from slotkeeper.local import cached_llama_server, cached_model, die_with_parent, model_flags
 
 REPO = Path(__file__).resolve().parents[1]
 # Overridable so the test bed can be checked with a stand-in addon while the real one is
@@ -166,7 +166,7 @@ class LlamaServer(_LocalProcess):
     def command(self) -> list[str]:
         # --swa-full: Gemma 3 uses sliding-window attention; without it a restored slot is not
         # reused. -t 2: the test machines have 2 cores. --no-repack and the model's chat
-        # template: as the launcher's local server (slotkeeper/cli.py), without its default
+        # template: as the launcher's local server (slotkeeper/local.py), without its default
         # stop strings, which end an answer after one line (tests stream long answers).
         cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
                "--port", str(self.port), "-np", str(self.np), "--swa-full", "-c", str(self.ctx),

@@ -4,14 +4,9 @@ state. Blocking: worker threads."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
-
 from . import metrics
 from .state import StateDoc, UpstreamRecord
 from .upstream import UpstreamError
-
-if TYPE_CHECKING:
-    from .router import Router
 
 log = logging.getLogger("slotkeeper")
 
@@ -21,7 +16,8 @@ ADMIN_LOCK_TIMEOUT = 30.0  # an API call waits this long for a slot's request to
 class SessionAdmin:
     """What the /api/sessions endpoints do. Blocking: worker threads."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router) -> None:
+        """`router`: a router.Router (not imported: the router's rooms never import admin)."""
         self.router = router
 
     def current(self) -> dict:
@@ -44,7 +40,7 @@ class SessionAdmin:
                                                        "bytes": meta.size_bytes},
                 }
             out[url] = {"slots": slots, "draining": up.draining,
-                        **({"pool": True, "up": self.router.upstream(url).healthy}
+                        **({"pool": True, "up": self.router.upstreams.get(url).healthy}
                            if url in pool else {})}
         return {"upstreams": out, "slot_dir": str(folder.root) if folder else None}
 
@@ -107,8 +103,8 @@ class SessionAdmin:
         for url in router.config.upstreams:
             up = doc.upstreams.get(url)
             members.append({
-                "url": url, "up": router.upstream(url).healthy,
-                "draining": bool(up and up.draining), "in_flight": router.in_flight(url),
+                "url": url, "up": router.upstreams.get(url).healthy,
+                "draining": bool(up and up.draining), "in_flight": router.pool.in_flight(url),
                 "sessions": sorted(rec.owner for rec in up.slots.values()) if up else []})
         return {"placement": router.config.placement, "upstreams": members}
 
@@ -118,12 +114,12 @@ class SessionAdmin:
         server and restores it. A session whose slot stays busy keeps its claim; its next
         request moves it (a draining server is never chosen)."""
         router = self.router
-        router.set_draining(url, True)
+        router.pool.set_draining(url, True)
         moved, busy = [], []
         up = router.state.read().upstreams.get(url)
         for rec in list(up.slots.values()) if up else []:
-            with router.placing(rec.owner):  # a request of it placing meanwhile waits
-                saved = router.evacuate(url, rec.owner, ADMIN_LOCK_TIMEOUT)
+            with router.pool.placement_lock(rec.owner):  # a request of it placing meanwhile waits
+                saved = router.pool.evacuate(url, rec.owner, ADMIN_LOCK_TIMEOUT)
             if saved < 0:
                 busy.append(rec.owner)
             else:
@@ -132,7 +128,7 @@ class SessionAdmin:
         return {"upstream": url, "draining": True, "moved": moved, "busy": busy}
 
     def undrain(self, url: str) -> dict:
-        self.router.set_draining(url, False)
+        self.router.pool.set_draining(url, False)
         log.info("%s takes sessions again", url)
         return {"upstream": url, "draining": False}
 
@@ -144,7 +140,7 @@ class SessionAdmin:
         try:
             try:
                 with metrics.timed("erase"):
-                    router.upstream(url).client.erase(slot)
+                    router.upstreams.get(url).client.erase(slot)
             except UpstreamError as e:
                 log.warning("erase of slot %d on %s failed: %s", slot, url, e)
 

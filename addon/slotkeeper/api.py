@@ -7,17 +7,14 @@ import json
 import logging
 import re
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote
 
 from mitmproxy import http
 
-from .access import READ_METHODS, is_loopback, management_access  # noqa: F401 (re-exported)
+from .access import management_access
 from . import placement
 from .admin import NoSlotDir, SessionAdmin, SlotBusy
-
-if TYPE_CHECKING:
-    from .addon import SlotKeeper
 
 log = logging.getLogger("slotkeeper.api")
 
@@ -38,7 +35,8 @@ def error(status: int, message: str) -> http.Response:
 
 
 class SessionApi:
-    def __init__(self, keeper: SlotKeeper) -> None:
+    def __init__(self, keeper: Any) -> None:
+        # keeper: the addon.SlotKeeper (not imported: addon imports this module)
         self.keeper = keeper
 
     def request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:

@@ -25,8 +25,8 @@ from typing import Any
 
 import requests
 
-from .cli import (DEMO_STOPS, LocalServer, UsageError, default_conf, die_with_parent,
-                  load_conf, mitmproxy_command, start_local_server, stop, user_options)
+from .conf import default_conf, load_conf, mitmproxy_command, user_options
+from .local import DEMO_STOPS, LocalServer, UsageError, die_with_parent, start_local_server, stop
 
 SLOTS = 2  # fewer than the sessions, so that sessions must take turns on the slots
 CONTEXT = 8192  # 4,096 tokens per slot

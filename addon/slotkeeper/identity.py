@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+
+from .prompts import Prompt, id_text, read_prompt
 
 
 @dataclass(frozen=True)
@@ -93,15 +94,6 @@ BILLING_MARK = "x-anthropic-billing-header"  # rotates per request: kept out of 
 # conversation grows. Shorter prompts are side requests and claim no slot.
 PROMPT_KEY_CHARS = 2000
 
-SYSTEM_ROLES = frozenset({"system", "developer"})
-
-# Keys whose values are not prompt text (or change between turns, like cache_control).
-NOT_PROMPT_TEXT = frozenset({
-    "role", "type", "id", "call_id", "tool_call_id", "tool_use_id", "cache_control", "status",
-    "signature", "encrypted_content", "index",
-})
-MAX_DEPTH = 32  # deeper structures are ignored: real payloads nest < 10 levels
-
 # ---- normalisation --------------------------------------------------------------------------
 
 MAX_ID_CHARS = 128
@@ -120,26 +112,11 @@ class _Found:
     rule: str
 
 
-@dataclass(frozen=True)
-class _Prompt:
-    """What identify needs from a request body, whatever its API."""
-
-    model: str = ""
-    system_parts: tuple[str, ...] = ()  # system text as sent (billing block included)
-    first_user_parts: tuple[str, ...] = ()
-    raw_prompt: str | None = None  # /completion, /infill: the prompt text in server order
-    tools_json: str | None = None  # the canonical tools as sorted ASCII JSON, or None
-    tools_chars: int = 0
-    message_chars: int = 0
-    message_count: int = 0
-    messages: tuple[tuple[str | None, tuple[str, ...]], ...] = ()  # (role, texts) after the system
-
-
 def identify(path: str, headers: Mapping[str, str], body: object,
              config: IdentityConfig = IdentityConfig()) -> Identity:
     """The session of one completion request. Never raises, whatever the input."""
     header_values = _lowercase_headers(headers)
-    prompt = _read_prompt(path, body)
+    prompt = read_prompt(path, body)
     own = _from_headers(header_values, config) or _from_body(body)
     session, rule, parent = _resolve_children(own, header_values, prompt, config)
     system_chars = sum(len(part) for part in prompt.system_parts) + prompt.tools_chars
@@ -179,23 +156,6 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _id_text(value: object) -> str | None:
-    """A usable id value: a non-blank string, or an int (chat ids are sometimes numbers).
-    Booleans, floats, dicts and lists never name a session."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return _int_text(value)
-    if isinstance(value, str) and value.strip():
-        return value
-    return None
-
-
-def _int_text(value: int) -> str:
-    # str() refuses ints over 4300 digits (CPython's conversion limit); hex has no limit.
-    return str(value) if value.bit_length() <= 10_000 else hex(value)
-
-
 # ---- rule 1: headers ------------------------------------------------------------------------
 
 def _lowercase_headers(headers: object) -> dict[str, str]:
@@ -222,7 +182,7 @@ def _lowercase_headers(headers: object) -> dict[str, str]:
 
 
 def _header_id(header_values: Mapping[str, str], name: str) -> str | None:
-    return _id_text(header_values.get(name))
+    return id_text(header_values.get(name))
 
 
 def _from_headers(header_values: Mapping[str, str], config: IdentityConfig) -> _Found | None:
@@ -241,20 +201,20 @@ def _from_body(body: object) -> _Found | None:
     if not isinstance(body, dict):
         return None
     for field in ("session_id", "conversation_id", "chat_id"):
-        value = _id_text(body.get(field))
+        value = id_text(body.get(field))
         if value is not None:
             return _Found(_normalise_id(value), f"body {field}")
     chat_id = _chat_id(body.get("id"))
     if chat_id is not None:
         return _Found(_normalise_id(chat_id), "body id")
-    value = _id_text(body.get("prompt_cache_key"))
+    value = id_text(body.get("prompt_cache_key"))
     if value is not None:
         return _Found(_normalise_id(value), "body prompt_cache_key")
     metadata = body.get("metadata")
-    user_id = _id_text(metadata.get("user_id")) if isinstance(metadata, dict) else None
+    user_id = id_text(metadata.get("user_id")) if isinstance(metadata, dict) else None
     if user_id is not None:
         return _Found(_normalise_id(_claude_session(user_id)), "body metadata.user_id")
-    value = _id_text(body.get("user"))
+    value = id_text(body.get("user"))
     if value is not None:
         return _Found(_normalise_id(value), "body user")
     return None
@@ -263,7 +223,7 @@ def _from_body(body: object) -> _Found | None:
 def _chat_id(value: object) -> str | None:
     """A top-level "id" names a chat (the Vercel AI SDK's useChat posts {id: chatId, ...})
     unless it is an API object id, which names a single request or reply."""
-    text = _id_text(value)
+    text = id_text(value)
     if text is None or text.strip().startswith(OBJECT_ID_PREFIXES):
         return None
     return text
@@ -279,7 +239,7 @@ def _claude_session(user_id: str) -> str:
         except (ValueError, RecursionError):
             decoded = None
         if isinstance(decoded, dict):
-            session = _id_text(decoded.get("session_id"))
+            session = id_text(decoded.get("session_id"))
             if session is not None:
                 return session
         return user_id
@@ -291,7 +251,7 @@ def _claude_session(user_id: str) -> str:
 
 # ---- rule 3: children -----------------------------------------------------------------------
 
-def _resolve_children(own: _Found | None, header_values: Mapping[str, str], prompt: _Prompt,
+def _resolve_children(own: _Found | None, header_values: Mapping[str, str], prompt: Prompt,
                       config: IdentityConfig) -> tuple[str, str, str | None]:
     """(session, rule, parent) once subagent headers are applied to the client's own id."""
     relation = (_claude_child(own, header_values, prompt)
@@ -311,7 +271,7 @@ def _resolve_children(own: _Found | None, header_values: Mapping[str, str], prom
 
 
 def _claude_child(own: _Found | None, header_values: Mapping[str, str],
-                  prompt: _Prompt) -> tuple[_Found, _Found] | None:
+                  prompt: Prompt) -> tuple[_Found, _Found] | None:
     """Claude Code keeps X-Claude-Code-Session-Id on subagent requests and adds the agent's
     own stable id: the session is the parent, the agent id the child. Parent-Agent-Id is not
     used as the parent: the main agent sends no agent id, so it may name a session that never
@@ -325,7 +285,7 @@ def _claude_child(own: _Found | None, header_values: Mapping[str, str],
 
 
 def _codex_child(own: _Found | None, header_values: Mapping[str, str],
-                 prompt: _Prompt) -> tuple[_Found, _Found] | None:
+                 prompt: Prompt) -> tuple[_Found, _Found] | None:
     """Codex gives a spawned thread the root's session-id and its own thread-id (the root
     sends both equal), plus x-codex-parent-thread-id. Older releases gave each subagent its
     own session_id and named the parent only in x-codex-parent-thread-id."""
@@ -336,14 +296,14 @@ def _codex_child(own: _Found | None, header_values: Mapping[str, str],
 
 
 def _opencode_child(own: _Found | None, header_values: Mapping[str, str],
-                    prompt: _Prompt) -> tuple[_Found, _Found] | None:
+                    prompt: Prompt) -> tuple[_Found, _Found] | None:
     """OpenCode: the request's own session headers name the child session; x-parent-session-id
     names its parent."""
     return _named_parent(own, header_values, OPENCODE_PARENT, prompt)
 
 
 def _named_parent(own: _Found | None, header_values: Mapping[str, str], parent_header: str,
-                  prompt: _Prompt) -> tuple[_Found, _Found] | None:
+                  prompt: Prompt) -> tuple[_Found, _Found] | None:
     parent = _header_id(header_values, parent_header)
     if parent is None:
         return None
@@ -353,7 +313,7 @@ def _named_parent(own: _Found | None, header_values: Mapping[str, str], parent_h
 
 # ---- rules 4 and 5: content, system, default ------------------------------------------------
 
-def _from_content(prompt: _Prompt) -> _Found:
+def _from_content(prompt: Prompt) -> _Found:
     system = _hashable_system(prompt.system_parts)
     if prompt.raw_prompt:
         material = {"model": prompt.model, "prompt": prompt.raw_prompt[:PROMPT_KEY_CHARS]}
@@ -367,13 +327,13 @@ def _from_content(prompt: _Prompt) -> _Found:
     return _Found(DEFAULT_SESSION, "default")
 
 
-def _system_digest(prompt: _Prompt) -> str:
+def _system_digest(prompt: Prompt) -> str:
     """sha256 hex of (system prompt, tools): the seed key when there is either, and the
     chain's first link. Without the request's `model`: llama-server serves one model whatever
     name a client sends, so one system prompt under two aliases is one seed (the seed's meta
     fingerprint still ties it to the server's real model)."""
     # The text _digest({"system": ..., "tools": canonical tools}) would hash, built around the
-    # tools' JSON made once in _tools (a coding agent's tools are tens of KB: dumping them
+    # tools' JSON made once in prompts.tools_of (a coding agent's tools are tens of KB: dumping them
     # twice was most of identify's time on a Claude Code request, docs/BENCHMARKS.md).
     system = json.dumps(_hashable_system(prompt.system_parts), ensure_ascii=True,
                         separators=(",", ":"))
@@ -385,10 +345,7 @@ def _system_digest(prompt: _Prompt) -> str:
 # way it likes (reasoning stripped, whitespace trimmed, tool calls re-serialised), which would
 # break every conversation's chain at each turn. What the user and the tools said is what
 # tells two conversations apart; the reply only counts as a message in its place.
-REPLY_ROLES = frozenset({"assistant", "model"})
-
-
-def _chain(prompt: _Prompt, system_digest: str) -> tuple[str, ...]:
+def _chain(prompt: Prompt, system_digest: str) -> tuple[str, ...]:
     """Cumulative hashes of (system block, message 1, message 2, ...); () for a raw prompt.
     blake2b: about twice as fast as sha256 here, and 12 bytes tell conversations apart."""
     if prompt.raw_prompt is not None or not prompt.messages:
@@ -418,199 +375,3 @@ def _digest(material: object) -> str:
     # ensure_ascii: lone surrogates become \ud800 escapes instead of failing to encode.
     text = json.dumps(material, ensure_ascii=True, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("ascii")).hexdigest()
-
-
-# ---- reading request bodies -----------------------------------------------------------------
-
-ANTHROPIC_ROUTES = frozenset({"/v1/messages", "/messages"})
-CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions"})
-RESPONSES_ROUTES = frozenset({"/v1/responses", "/responses"})
-COMPLETION_ROUTES = frozenset({"/completion", "/completions", "/v1/completions"})
-INFILL_ROUTES = frozenset({"/infill"})
-INFILL_FIELDS = ("input_extra", "input_prefix", "input_suffix")
-
-
-def _read_prompt(path: object, body: object) -> _Prompt:
-    """The route decides which fields the server prefills (a stray "prompt" on a chat
-    request is ignored by the server, so here too); an unknown route goes by the body."""
-    if not isinstance(body, dict):
-        return _Prompt()
-    kind = _api_kind(path, body)
-    if kind == "anthropic":
-        return _read_conversation(body, _system_field(body.get("system")), body.get("messages"))
-    if kind == "chat":
-        return _read_conversation(body, (), body.get("messages"))
-    if kind == "responses":
-        return _read_responses(body)
-    if kind == "completion":
-        return _read_raw(body, _prompt_text(body.get("prompt")))
-    if kind == "infill":
-        return _read_raw(body, _infill_text(body))
-    return _Prompt(model=_model(body))
-
-
-def _api_kind(path: object, body: dict) -> str:
-    route = path.split("?", 1)[0] if isinstance(path, str) else ""
-    if len(route) > 1 and route.endswith("/"):
-        route = route[:-1]
-    for routes, kind in ((ANTHROPIC_ROUTES, "anthropic"), (CHAT_ROUTES, "chat"),
-                         (RESPONSES_ROUTES, "responses"), (COMPLETION_ROUTES, "completion"),
-                         (INFILL_ROUTES, "infill")):
-        if route in routes:
-            return kind
-    if "messages" in body:
-        return "anthropic" if "system" in body else "chat"
-    if "input" in body or "instructions" in body:
-        return "responses"
-    if any(field in body for field in INFILL_FIELDS):
-        return "infill"
-    if "prompt" in body:
-        return "completion"
-    return "none"
-
-
-def _model(body: dict) -> str:
-    return _id_text(body.get("model")) or ""
-
-
-def _read_conversation(body: dict, top_system: tuple[str, ...], messages: object,
-                       leading: tuple[str, ...] = ()) -> _Prompt:
-    """Anthropic and chat: system text = top-level `system` + the leading run of
-    system/developer messages (a later one is not part of a stable prefix)."""
-    items = messages if isinstance(messages, list) else []
-    system_parts = list(top_system) + list(leading)
-    start = 0
-    while start < len(items) and _role(items[start]) in SYSTEM_ROLES:
-        system_parts.extend(_texts(items[start].get("content")))
-        start += 1
-    rest = items[start:]
-    tools_json, tools_chars = _tools(body.get("tools"))
-    # One walk over the messages' texts serves both the size and the chain.
-    message_chars = 0
-    messages = []
-    for message in rest:
-        role = _role(message)
-        texts = tuple(_texts(message))
-        message_chars += sum(len(text) for text in texts)
-        messages.append((role, () if role in REPLY_ROLES else texts))
-    return _Prompt(
-        model=_model(body),
-        system_parts=tuple(system_parts),
-        first_user_parts=_first_user_parts(rest),
-        tools_json=tools_json,
-        tools_chars=tools_chars,
-        message_chars=message_chars,
-        message_count=len(items),
-        messages=tuple(messages),
-    )
-
-
-def _read_responses(body: dict) -> _Prompt:
-    instructions = body.get("instructions")
-    leading = (instructions,) if isinstance(instructions, str) and instructions else ()
-    given = body.get("input")
-    if isinstance(given, str):
-        tools_json, tools_chars = _tools(body.get("tools"))
-        return _Prompt(model=_model(body), system_parts=leading,
-                       first_user_parts=(given,) if given else (), tools_json=tools_json,
-                       tools_chars=tools_chars, message_chars=len(given),
-                       message_count=1 if given else 0,
-                       messages=(("user", (given,)),) if given else ())
-    return _read_conversation(body, (), given, leading)
-
-
-def _read_raw(body: dict, text: str) -> _Prompt:
-    return _Prompt(model=_model(body), raw_prompt=text, message_chars=len(text),
-                   message_count=1 if text else 0)
-
-
-def _role(message: object) -> str | None:
-    role = message.get("role") if isinstance(message, dict) else None
-    return role if isinstance(role, str) else None  # a list or dict role is not hashable
-
-
-def _first_user_parts(messages: list) -> tuple[str, ...]:
-    """The first user message's text; with no user message, the first message of any role."""
-    dicts = [m for m in messages if isinstance(m, dict)]
-    first = next((m for m in dicts if m.get("role") == "user"), dicts[0] if dicts else None)
-    return tuple(_texts(first.get("content"))) if first is not None else ()
-
-
-def _system_field(system: object) -> tuple[str, ...]:
-    """Anthropic's top-level `system`: a string or a list of text blocks."""
-    return tuple(_texts(system))
-
-
-def _texts(value: object, depth: int = 0) -> Iterator[str]:
-    """Every piece of prompt text in a message or content value, in a canonical order (dict
-    keys sorted, so a client that rebuilds its objects in another key order hashes the
-    same), skipping metadata such as roles, ids and cache_control markers."""
-    if isinstance(value, str):
-        yield value
-    elif depth >= MAX_DEPTH:
-        return
-    elif isinstance(value, dict):
-        for key in sorted(k for k in value if isinstance(k, str)):
-            if key not in NOT_PROMPT_TEXT:
-                yield from _texts(value[key], depth + 1)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _texts(item, depth + 1)
-
-
-def _tools(tools: object) -> tuple[str | None, int]:
-    """(the canonical tools as sorted ASCII JSON, about as many characters as their JSON has);
-    (None, 0) when there are none. The count takes each \\u escape as the one character it
-    stands for (a literal backslash-u in a description is counted 5 short): dumping 48 KB of
-    Claude Code's tools a second time unescaped, to count them exactly, cost ~0.25 ms a
-    request for a size that is only ever an estimate (the prompt's size, in characters)."""
-    if not isinstance(tools, list) or not tools:
-        return None, 0
-    text = json.dumps(_canonical(tools), ensure_ascii=True, sort_keys=True,
-                      separators=(",", ":"))
-    return text, len(text) - 5 * text.count("\\u")
-
-
-def _canonical(value: object, depth: int = 0) -> Any:
-    """A JSON-safe copy for hashing: string keys only, no cache_control (its placement moves
-    between requests), bounded depth, ints json can always print."""
-    if isinstance(value, (str, bool, float)) or value is None:
-        return value
-    if isinstance(value, int):
-        return value if value.bit_length() <= 10_000 else hex(value)
-    if depth >= MAX_DEPTH:
-        return "<deep>"
-    if isinstance(value, dict):
-        return {k: _canonical(v, depth + 1) for k, v in value.items()
-                if isinstance(k, str) and k != "cache_control"}
-    if isinstance(value, (list, tuple)):
-        return [_canonical(item, depth + 1) for item in value]
-    return f"<{type(value).__name__}>"
-
-
-def _prompt_text(prompt: object, depth: int = 0) -> str:
-    """A raw prompt as text: a string, token ids (each as its decimal text and a space, about
-    as many characters as the text it encodes), a list of those, or llama-server's
-    {"prompt_string": ...} object."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, bool):
-        return ""
-    if isinstance(prompt, int):
-        return _int_text(prompt) + " "
-    if depth >= MAX_DEPTH:
-        return ""
-    if isinstance(prompt, list):
-        return "".join(_prompt_text(item, depth + 1) for item in prompt)
-    if isinstance(prompt, dict):
-        return _prompt_text(prompt.get("prompt_string"), depth + 1)
-    return ""
-
-
-def _infill_text(body: dict) -> str:
-    """/infill text in the order the server lays it out: extra context chunks, prefix,
-    suffix, then the middle (`prompt`)."""
-    extra = "".join(_texts(body.get("input_extra")))
-    pieces = [body.get("input_prefix"), body.get("input_suffix")]
-    return extra + "".join(p for p in pieces if isinstance(p, str)) + _prompt_text(
-        body.get("prompt"))

@@ -28,9 +28,8 @@ from prometheus_client.core import GaugeMetricFamily
 if TYPE_CHECKING:
     from mitmproxy import http
 
-    from .addon import SlotKeeper
     from .bodies import Timings
-    from .router import Route
+    from .routes import Route
 
 log = logging.getLogger("slotkeeper.metrics")
 
@@ -61,7 +60,7 @@ _LOCK: threading.Lock = _kept("_LOCK", threading.Lock)
 _SPEED: dict[str, float] = _kept("_SPEED", dict)
 _PENDING: dict[str, int] = _kept("_PENDING", dict)
 # The SlotKeeper whose router the scrape-time gauges read (the latest one loaded).
-_BOUND: dict[str, SlotKeeper] = _kept("_BOUND", dict)
+_BOUND: dict[str, Any] = _kept("_BOUND", dict)
 
 
 def _metric(kind: type, name: str, doc: str, labels: tuple[str, ...] = (), **kwargs: Any):
@@ -272,19 +271,19 @@ class _LiveCollector:
             except Exception as e:  # a scrape must answer even with a broken state file
                 log.warning("metrics: cannot read the state file: %s", e)
                 doc = None
-            urls = {url for url, _ in router.known_upstreams()}
+            urls = {url for url, _ in router.upstreams.known()}
             urls |= set(doc.upstreams) if doc is not None else set()
             for url in sorted(urls):
                 up = doc.upstreams.get(url) if doc is not None else None
                 recs = list(up.slots.values()) if up is not None else []
                 owned.add_metric([url], len(recs))
                 resident.add_metric([url], sum(1 for r in recs if not r.stale))
-            for url, info in router.known_upstreams():
+            for url, info in router.upstreams.known():
                 if info.props is not None:
                     total.add_metric([url], info.props.total_slots)
             for url in router.config.upstreams:
                 up = doc.upstreams.get(url) if doc is not None else None
-                member_up.add_metric([url], 1 if router.upstream(url).healthy else 0)
+                member_up.add_metric([url], 1 if router.upstreams.get(url).healthy else 0)
                 draining.add_metric([url], 1 if up is not None and up.draining else 0)
                 for rec in up.slots.values() if up is not None else ():
                     session_server.add_metric([rec.owner, url, str(not rec.stale).lower()], 1)
@@ -304,7 +303,7 @@ if "live" not in _METRICS:
     ProcessCollector(registry=REGISTRY)  # process_cpu_seconds_total, resident memory, fds
 
 
-def bind(keeper: SlotKeeper) -> None:
+def bind(keeper: Any) -> None:
     _BOUND["keeper"] = keeper
 
 
@@ -322,7 +321,7 @@ class MetricsEndpoint:
     llama-server is down. It shadows llama-server's own /metrics (`--metrics`): scrape the
     server directly for those."""
 
-    def __init__(self, keeper: SlotKeeper) -> None:
+    def __init__(self, keeper: Any) -> None:
         self.keeper = keeper
 
     def load(self, loader) -> None:

@@ -22,8 +22,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .paths import (FILE_NAME_RE, META_RE, SAVING_RE, TEMP_RE, PathOutsideFolder, file_name_for,  # noqa: F401 (re-exported)
-                    inside, require)
+from .paths import FILE_NAME_RE, META_RE, SAVING_RE, TEMP_RE, file_name_for, inside, require
 
 log = logging.getLogger(__name__)
 

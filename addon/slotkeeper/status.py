@@ -19,7 +19,8 @@ from typing import Any
 
 import requests
 
-from .router import SessionAdmin
+from .admin import SessionAdmin
+from .local import state_dir  # the same folder as addon.default_state_dir()
 from .slotfiles import SlotFolder
 from .state import StateDoc
 from .upstream import SlotsUnavailable, Upstream
@@ -34,13 +35,11 @@ class StatusError(Exception):
 
 
 def default_state_file() -> Path:
-    from .cli import state_dir  # the same folder as addon.default_state_dir()
     return state_dir() / "state.json"
 
 
 def default_slot_dir() -> Path | None:
     """The folder the `slotkeeper` launcher gives its local llama-server, if it exists."""
-    from .cli import state_dir
     folder = state_dir() / "slots"
     return folder if folder.is_dir() else None
 
