@@ -160,7 +160,7 @@ def test_a_retry_lands_on_the_original_slot_and_is_prefilled_once(make_llama, ma
     proxy = make_proxy(server, slotkeeper_slot_dir=str(slots), slotkeeper_idle_save_seconds=0)
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": "Write a long explanation of test doubles."}]
-    body = {"messages": messages, "max_tokens": 400, "temperature": 0}
+    body = {"messages": messages, "max_tokens": 16, "temperature": 0}
     headers = {"x-session-id": "retry-1"}
     try:
         requests.post(proxy.url + "/v1/chat/completions", json=body, headers=headers,
