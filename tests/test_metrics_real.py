@@ -189,16 +189,26 @@ def test_seed_builds_are_counted(make_llama, make_proxy, tmp_path):
     slots = tmp_path / "slots"
     server = make_llama(slot_save_path=slots)
     proxy = make_proxy(server, slotkeeper_slot_dir=str(slots), slotkeeper_idle_save_seconds=0)
-    turn = Chat("s1", long_system_prompt(600, seed=4)).ask(proxy.url, "hi")
+    system = long_system_prompt(600, seed=4)
+    first = Chat("s1", system)
+    first.ask(proxy.url, "hi")
+    first.ask(proxy.url, "and again")  # a conversation: it comes back
+    # The second conversation with the system prompt: its seed is taken after its answer
+    # (issue #23), from its slot, after saving the session itself.
+    Chat("s2", system).ask(proxy.url, "hello")
+    turn = Chat("s3", system).ask(proxy.url, "hey")
     assert turn["action"] == "seeded"
     m = scrape(proxy.url)
     assert value(m, "slotkeeper_slot_operations_total", operation="seed_build",
                  outcome="ok") == 1
     assert value(m, "slotkeeper_slot_operation_seconds_count", operation="seed_build") == 1
-    # The seed is saved like any snapshot; its tokens are what the session then reused.
-    assert value(m, "slotkeeper_slot_operations_total", operation="save", outcome="ok") == 1
-    assert value(m, "slotkeeper_slot_operation_tokens_total", operation="seed_build") >= \
+    # The seed is saved like any snapshot (after s2's own save), holding what the third
+    # session then reused; the server prefilled nothing for it: cutting s2's slot down to the
+    # system prefix evaluates one token.
+    assert value(m, "slotkeeper_slot_operations_total", operation="save", outcome="ok") == 2
+    assert value(m, "slotkeeper_slot_operation_tokens_total", operation="save") >= \
         turn["cache_n"] > 0
+    assert 1 <= value(m, "slotkeeper_slot_operation_tokens_total", operation="seed_build") <= 2
 
 
 def test_counters_survive_a_change_of_the_entry_script(llama, make_proxy, tmp_path):

@@ -103,3 +103,21 @@ def test_reuse_of_the_slots_prefix_needs_no_slot_check():
     assert not policy.needs_slot_check(expected_prefix=1000, cache_n=990)
     assert policy.needs_slot_check(expected_prefix=1000, cache_n=10)
     assert policy.needs_slot_check(expected_prefix=0, cache_n=0)  # a cold slot: check
+
+
+def test_a_request_that_claims_nothing_takes_a_free_slot_then_a_saved_owners():
+    costs = {0: (False, policy.SAVE), 1: (False, policy.CURRENT), 2: (False, policy.FREE),
+             3: (True, policy.FREE)}
+    assert policy.order_for_side([0, 1, 2, 3], costs) == [2, 1, 0, 3]
+    # Within one cost, choice's ranking stands; an unknown slot is taken as busy.
+    costs = {0: (False, policy.CURRENT), 1: (False, policy.CURRENT)}
+    assert policy.order_for_side([1, 0, 5], costs) == [1, 0, 5]
+
+
+def test_a_retry_of_the_running_request_waits_for_it_on_its_slot():
+    """Issue #23: an SDK that gave up waiting sends the same request again while the original
+    still runs; it goes where the original went (MAIN), where a continuation goes SIDE."""
+    assert classify(MAIN_CHAIN, running=True) == MAIN
+    assert classify(MAIN_CHAIN + ("m4",), running=True) == SIDE
+    unknown = Conversation(None, 4, "", 20_000)  # an older record: no chain to compare
+    assert classify(MAIN_CHAIN, running=True, current=unknown) == SIDE

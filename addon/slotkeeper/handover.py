@@ -1,20 +1,19 @@
 """The handover room: a slot changes hands. Under the slot's lease it saves the outgoing
 session (when it grew enough to be worth a file), then restores the incoming session's
-snapshot, else its system prompt's seed (restored, or built), else starts the slot clean; a
+snapshot, else its system prompt's seed (restored; seeds are taken after an answer, issue #23:
+firstturns.py), else starts the slot clean; a
 request that only passes through someone's slot displaces its owner (saved, marked stale).
 Blocking: worker threads."""
 
 from __future__ import annotations
 
 import logging
-import time
 
 from . import metrics
 from .identity import Identity
 from .locks import SlotLease
 from .routes import ASSIGNED, RESTORED, SEEDED, Route
 from .saves import Saves
-from .seeds import SeedBuilder
 from .snapshots import Snapshots, seed_id
 from .state import SlotRecord, StateFile
 from .upstream import UpstreamError
@@ -29,11 +28,10 @@ class Handover:
     caller holds the slot's), what happens after the answer."""
 
     def __init__(self, state: StateFile, saves: Saves, snapshots: Snapshots | None,
-                 seeds: SeedBuilder | None, erase_on_handover: bool) -> None:
+                 erase_on_handover: bool) -> None:
         self.state = state
         self.saves = saves
         self.snapshots = snapshots
-        self.seeds = seeds
         self.erase_on_handover = erase_on_handover
 
     def hand_over(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
@@ -60,11 +58,6 @@ class Handover:
                     info.client.erase(slot)
             except UpstreamError as e:
                 notes.append(f"erase failed ({e})")
-        if not restored and body is not None:
-            built = self._build_seed(info, ident, slot, path, body)
-            if built:
-                action, restored = SEEDED, built
-                notes.append(f"built seed of {built:,} tokens")
         if info.client.slot_actions_disabled:
             log.warning("%s: llama-server answers save/restore/erase with 501: start it with "
                         "--slot-save-path set to slotkeeper_slot_dir; sessions are pinned but "
@@ -89,16 +82,6 @@ class Handover:
             if restored:
                 return SEEDED, restored
         return ASSIGNED, 0
-
-    def _build_seed(self, info: UpstreamInfo, ident: Identity, slot: int, path: str,
-                    body: dict) -> int:
-        if self.seeds is None or info.props is None or ident.seed_key is None:
-            return 0
-        started = time.monotonic()
-        built = self.seeds.build(info.client, info.props, slot, ident, path, body)
-        if built:
-            metrics.seed_built(built, time.monotonic() - started)
-        return built
 
     def displace(self, url: str, info: UpstreamInfo, slot: int, session: str | None,
                  live_tokens: int, save: bool = True) -> str:

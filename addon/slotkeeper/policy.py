@@ -6,6 +6,7 @@ gives the reasons and the traffic that forced each rule.
 - whether a request of a known session is its main conversation, a side request, or a main
   conversation that must move off its own busy slot (`classify`);
 - whether a slot's KV is worth saving (`worth_saving`, `grew_enough`);
+- which slot a request that claims nothing may use (`order_for_side`);
 - what a server's settings tell the user (`advice`)."""
 
 from __future__ import annotations
@@ -88,18 +89,39 @@ def classify(*, chain: Sequence[str], system_key: str | None, prompt_chars: int,
       conversation now.
     Two requests of one session never queue on one slot: a continuation that finds its slot
     busy with the session's own request is placed as a side request; a new main conversation
-    moves to a slot of its own."""
+    moves to a slot of its own. The one exception is a retry: the running request itself
+    again (same conversation, same length) waits for it on its slot."""
     if prompt_chars < small_request_chars:
         return SIDE
     if resident is None:
         return MOVE if own_request_running else MAIN
     if extends(chain, resident):
+        if own_request_running and resident.head and len(chain) == resident.length:
+            # The very request that is running, again: a client's retry (an SDK that gave
+            # up waiting, X-Stainless-Retry-Count). It goes where the original went and
+            # reuses what the original prefilled there (issue #23).
+            return MAIN
         return SIDE if own_request_running else MAIN
     if system_key != resident.system_key and prompt_chars < resident.chars:
         return SIDE
     if prompt_chars < resident.chars * SHRINK_RATIO:
         return SIDE
     return MOVE if own_request_running else MAIN
+
+
+# What a request that claims no slot (a side request, a one-off) costs each slot's owner.
+FREE = 0  # nobody's KV: no claim, or a stale one
+CURRENT = 1  # the owner's snapshot holds what the slot holds: it pays one restore, nothing lost
+SAVE = 2  # the owner grew since its snapshot: saved first (the request waits for that save)
+
+
+def order_for_side(ranking: Sequence[int], costs: Mapping[int, tuple[bool, int]]) -> list[int]:
+    """The slots a request that claims nothing tries, in order (issue #23): idle before busy,
+    then a free slot, else one whose owner's snapshot is current, and only then one whose
+    owner must be saved first; `ranking`'s order (choice.rank_slots) within each. `costs`:
+    slot -> (processing, FREE | CURRENT | SAVE); a slot missing from it is taken as busy."""
+    position = {slot: i for i, slot in enumerate(ranking)}
+    return sorted(ranking, key=lambda slot: (*costs.get(slot, (True, SAVE)), position[slot]))
 
 
 # What verify_slot() answers.

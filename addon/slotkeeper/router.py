@@ -21,8 +21,10 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 
+from . import policy
 from .accounting import Accounting
 from .bodies import Timings
+from .firstturns import FirstTurns
 from .handover import Handover
 from .identity import Identity
 from .locks import SlotLocks
@@ -58,10 +60,12 @@ class Router:
         self.saves = Saves(state, self.snapshots, config.min_save_tokens)
         self.pool = Pool(config, state, locks, folder, clock, self.upstreams, self.sessions,
                          self.saves)
-        self.handover = Handover(state, self.saves, self.snapshots, seeds,
-                                 config.erase_on_handover)
+        self.handover = Handover(state, self.saves, self.snapshots, config.erase_on_handover)
+        self.first_turns = FirstTurns(state, self.upstreams, self.saves, self.snapshots, seeds,
+                                      config.seed_min_chars)
         self.walk = Walk(config, state, locks, clock, self.upstreams, self.sessions,
-                         self.handover, self.saves, self.pool.placeable)
+                         self.handover, self.saves, self.pool.placeable,
+                         self.first_turns.one_off)
         self.accounting = Accounting(config, state, locks, clock, self.upstreams, self.saves,
                                      self.snapshots)
         for url in config.upstreams:
@@ -123,9 +127,10 @@ class Router:
             if placed is not None:
                 route.placement = placed.reason
                 log.info("%s placed on %s (%s)", session, url, placed.reason)
-            return self._begin(route, ident, started)
+            return self._begin(route, ident, started, path, body)
 
-    def _begin(self, route: Route, ident: Identity, started: float) -> Route:
+    def _begin(self, route: Route, ident: Identity, started: float, path: str = "",
+               body: dict | None = None) -> Route:
         """The request runs from here until `finish`: counted as load on its server, and a
         route on the session's own slot stays counted as the session's running request (the
         count `enter` began); any other stops counting now."""
@@ -140,6 +145,7 @@ class Router:
             return route
         route.conversation = self.sessions.remember(url, session, ident)
         route.on_release(lambda: self.sessions.leave(url, session))
+        self.first_turns.began(route, ident, path, body)
         return route
 
     # ---- its end -------------------------------------------------------------------------------
@@ -148,7 +154,10 @@ class Router:
         """Verify which slot ran the request and record its use, then release the route,
         whatever raised. Returns the verification. Blocking: worker thread."""
         try:
-            return self.accounting.settle(route, timings)
+            verdict = self.accounting.settle(route, timings)
+            if not verdict.startswith(policy.MISMATCH):
+                self.first_turns.after(route, timings)  # a seed, taken off the request's path
+            return verdict
         finally:
             route.release()
 

@@ -81,6 +81,7 @@ class Route:
     ms: float = 0.0
     messages: int = 0
     seed_key: str | None = None
+    seed_source: tuple[str, dict] | None = None  # (path, body): a seed may be taken afterwards
     conversation: Conversation | None = None  # what the slot holds for the session afterwards
     placement: str = ""  # pool only: why this server (placement.STAY, CHEAPEST, ...)
     _on_release: list[Callable[[], None]] = field(default_factory=list, repr=False)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from .bodies import route_of
-from .identity import Identity
 from .snapshots import Snapshots, seed_id
 from .upstream import ServerProps, Upstream, UpstreamError
 
@@ -19,7 +19,7 @@ log = logging.getLogger("slotkeeper.seeds")
 _PROBES = ("A", "B")
 
 
-__all__ = ["SeedBuilder", "seed_id", "seed_messages"]
+__all__ = ["SeedBuilder", "Taken", "seed_id", "seed_messages"]
 
 
 def common_prefix(a: str, b: str) -> str:
@@ -52,41 +52,71 @@ def seed_messages(path: str, body: dict[str, Any]) -> tuple[list[dict], Any] | N
     return None
 
 
+@dataclass(frozen=True)
+class Taken:
+    """What taking a seed afterwards did: tokens in the seed (0: none saved), tokens the server
+    evaluated to cut the slot down to the system prefix (1 when it reused the prefix), and
+    tokens of the session restored afterwards (0: the restore failed, the slot is not the
+    session's any more)."""
+
+    seed_tokens: int
+    evaluated: int
+    restored: int
+
+
 class SeedBuilder:
-    """Builds a seed in the slot that a new session was just given (under its exclusive lock),
-    so the prefill is the one that session needed anyway: its own request then reuses it."""
+    """Takes a seed from a slot that holds a conversation starting with the system prompt,
+    after that conversation's answer was sent (issue #23: never on a request's path)."""
 
     def __init__(self, snapshots: Snapshots, min_chars: int, max_seeds: int) -> None:
         self.snapshots = snapshots
         self.min_chars = min_chars
         self.max_seeds = max_seeds
 
-    def build(self, client: Upstream, props: ServerProps, slot: int, ident: Identity, path: str,
-              body: dict[str, Any]) -> int:
-        """Prefill the system part in `slot` and save it as the seed; tokens in it, or 0."""
-        if ident.seed_key is None or ident.system_chars < self.min_chars or self.max_seeds <= 0:
-            return 0
+    def wants(self, props: ServerProps, seed_key: str | None) -> bool:
+        """No usable seed of this system prompt yet (and seeds are on)."""
+        if seed_key is None or self.max_seeds <= 0:
+            return False
+        ok, _why = self.snapshots.check(props, seed_id(seed_key), 0)
+        return not ok
+
+    def take_afterwards(self, client: Upstream, props: ServerProps, slot: int, seed_key: str,
+                        path: str, body: dict[str, Any], session: str, messages: int) -> Taken:
+        """The slot holds `session`'s conversation and its snapshot is current (the caller
+        saved it, under the slot's exclusive lease). Cut the slot down to the system prefix
+        (a /completion of the rendered prefix with cache_prompt: the server keeps the common
+        prefix and evaluates one token), save that as the seed, then restore the session."""
         parts = seed_messages(path, body)
         if parts is None:
-            return 0
-        messages, tools = parts
+            return Taken(0, 0, -1)
         try:
-            prompt = self._system_prompt_text(client, messages, tools)
+            prompt = self._system_prompt_text(client, *parts)
             if not prompt:
-                return 0
-            prefilled = self._prefill(client, slot, prompt)
+                return Taken(0, 0, -1)
+            cut = self._prefill(client, slot, prompt)
         except (UpstreamError, KeyError, TypeError, ValueError) as e:
-            log.warning("building the seed for %s failed: %s", ident.session_id, e)
-            return 0
-        seed = seed_id(ident.seed_key)
+            log.warning("taking the seed of %s failed: %s", session, e)
+            return Taken(0, 0, self._restore(client, props, slot, session, messages))
+        seed = seed_id(seed_key)
         saved = self.snapshots.save(client, props, slot, seed, messages=0, kind="seed")
+        restored = self._restore(client, props, slot, session, messages)
         if saved:
-            log.info("built seed %s: %d tokens (system prompt of %s)", seed, saved,
-                     ident.session_id)
+            log.info("took seed %s from %s's slot: %d tokens, %d evaluated to cut it", seed,
+                     session, saved, cut[0])
             self._prune()
-        return prefilled if saved else 0
+        return Taken(saved, cut[0], restored)
 
-    def _system_prompt_text(self, client: Upstream, messages: list[dict], tools: Any) -> str:
+    def _restore(self, client: Upstream, props: ServerProps, slot: int, session: str,
+                 messages: int) -> int:
+        notes: list[str] = []
+        restored = self.snapshots.restore(client, props, slot, session, messages, notes)
+        if not restored:
+            log.warning("%s could not be restored after its seed was taken (%s): it will be "
+                        "restored on its next request", session, "; ".join(notes))
+        return restored
+
+    @staticmethod
+    def _system_prompt_text(client: Upstream, messages: list[dict], tools: Any) -> str:
         renders = []
         for probe in _PROBES:
             payload: dict[str, Any] = {"messages": [*messages, {"role": "user", "content": probe}]}
@@ -97,13 +127,15 @@ class SeedBuilder:
         return common_prefix(*renders)
 
     @staticmethod
-    def _prefill(client: Upstream, slot: int, prompt: str) -> int:
+    def _prefill(client: Upstream, slot: int, prompt: str) -> tuple[int, int]:
+        """Run the prompt in the slot with cache_prompt, generating nothing: (tokens evaluated,
+        tokens reused). The slot holds exactly the prompt's tokens afterwards."""
         r = client.post_json("/completion", {
             "prompt": prompt, "n_predict": 0, "id_slot": slot, "cache_prompt": True,
             "temperature": 0,
         })
         timings = r.get("timings") or {}
-        return int(timings.get("prompt_n", 0)) + int(timings.get("cache_n", 0))
+        return int(timings.get("prompt_n", 0)), int(timings.get("cache_n", 0))
 
     def _prune(self) -> None:
         folder = self.snapshots.folder

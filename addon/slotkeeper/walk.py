@@ -32,7 +32,8 @@ class Walk:
     def __init__(self, config: RouterConfig, state: StateFile, locks: SlotLocks,
                  clock: Callable[[], float], upstreams: Upstreams, sessions: Sessions,
                  handover: Handover, saves: Saves,
-                 placeable: Callable[[str], bool]) -> None:
+                 placeable: Callable[[str], bool],
+                 one_off: Callable[[str, Identity], bool] = lambda url, ident: False) -> None:
         self.config = config
         self.state = state
         self.locks = locks
@@ -42,6 +43,7 @@ class Walk:
         self.handover = handover
         self.saves = saves
         self.placeable = placeable  # the pool's verdict on another server
+        self.one_off = one_off  # a new request that will not be continued (firstturns, #23)
 
     def keep(self, url: str, ident: Identity, running: int) -> Route | None:
         """The fast path: a session that owns its slot keeps it. A stat of the state file and
@@ -80,6 +82,8 @@ class Walk:
                                   running)
         if kind == policy.SIDE:
             return self._side(url, info, ident, slots)
+        if owned is None and self.one_off(url, ident):
+            return self._side(url, info, ident, slots, "one-off")
         # Remembered before the handover: a request of the session arriving meanwhile must be
         # judged against this conversation.
         self.sessions.remember(url, ident.session_id, ident)
@@ -196,7 +200,7 @@ class Walk:
             return route, False
 
     def _side(self, url: str, info: UpstreamInfo, ident: Identity,
-              slots: list[SlotView]) -> Route:
+              slots: list[SlotView], why: str = "side request") -> Route:
         """A side request (a small prompt, or not the session's conversation) goes to the best
         slot without claiming it, and never to its own session's slot while another is free.
         If that slot belongs to a session, its KV is saved first (when it is worth it) and the
@@ -205,6 +209,7 @@ class Walk:
         claims = up.claims() if up else {}
         ranking = self._ranking(slots, claims,
                                 avoid=up.slot_of(ident.session_id) if up else None)
+        ranking = policy.order_for_side(ranking, side_costs(slots, up))
         if not ranking:
             return self._fallback(url, info, ident, "server reports no slots",
                                   self.config.lock_timeout)
@@ -212,10 +217,10 @@ class Walk:
         if lease is None:
             self.saves.mark_all_stale(url)
             return Route(url, ident.session_id, ident.rule, None, UNPINNED,
-                         detail="side request; every slot busy")
+                         detail=f"{why}; every slot busy")
         with ExitStack() as stack:
             stack.enter_context(lease)
-            detail = "side request, slot not claimed"
+            detail = f"{why}, slot not claimed"
             note = self.handover.displace(url, info, slot, None, tokens_in(slots, slot))
             detail += f"; {note}" if note else ""
             route = Route(url, ident.session_id, ident.rule, slot, SIDE, detail=detail,
@@ -240,6 +245,23 @@ class Walk:
 
     def _live_elsewhere(self, url: str) -> set[str]:
         return {u for u in self.config.upstreams if u != url and self.placeable(u)}
+
+
+def side_costs(slots: list[SlotView], up) -> dict[int, tuple[bool, int]]:
+    """What running a request that claims nothing on each slot costs (policy.order_for_side):
+    busy or not, and FREE (nobody's KV), CURRENT (its owner's snapshot holds what the slot
+    holds: the owner pays one restore) or SAVE (its owner must be saved first)."""
+    costs = {}
+    for view in slots:
+        rec = up.slots.get(view.id) if up is not None else None
+        if rec is None or rec.stale:
+            cost = policy.FREE
+        elif rec.saved_tokens >= max(rec.tokens, view.n_tokens):
+            cost = policy.CURRENT
+        else:
+            cost = policy.SAVE
+        costs[view.id] = (view.is_processing, cost)
+    return costs
 
 
 def claim(state: StateFile, config: RouterConfig, now: float, url: str, slot: int,
