@@ -40,6 +40,10 @@ from .walk import Walk
 log = logging.getLogger("slotkeeper")
 
 PLACEMENT_ATTEMPTS = 3  # another process moving the session meanwhile: place again
+# A session's next turn that arrives while its previous request is only finishing (its final
+# event sent, bookkeeping left) waits this long at most for it, then runs on its own slot
+# (issue #19). Measured bookkeeping: docs/DESIGN.md, "Ordering races".
+FINISH_WAIT_SECONDS = 5.0
 
 
 class Router:
@@ -101,6 +105,7 @@ class Router:
         started = time.monotonic()
         ident = self.sessions.resolve(url, ident)
         session = ident.session_id
+        waited = self._wait_for_previous(url, ident)
         with ExitStack() as reservations, self.pool.placement_lock(session):
             for _attempt in range(PLACEMENT_ATTEMPTS):
                 placed = None
@@ -123,7 +128,22 @@ class Router:
             if placed is not None:
                 route.placement = placed.reason
                 log.info("%s placed on %s (%s)", session, url, placed.reason)
+            if waited is not None:
+                route.detail = "; ".join(filter(None, [
+                    f"waited {waited * 1000:.0f} ms for its previous request to end",
+                    route.detail]))
             return self._begin(route, ident, started)
+
+    def _wait_for_previous(self, url: str, ident: Identity) -> float | None:
+        """The session's next turn, sent while its previous request is only finishing: wait
+        (bounded) for that request's end, so this one is judged with nothing running and
+        keeps the session's slot. None: there was nothing to wait for."""
+        waited = None
+        for where in {url, *self.sessions.running_on(ident.session_id)}:
+            if self.sessions.should_wait(where, ident):
+                waited = (waited or 0.0) + self.sessions.wait_until_ended(
+                    where, ident.session_id, FINISH_WAIT_SECONDS)
+        return waited
 
     def _begin(self, route: Route, ident: Identity, started: float) -> Route:
         """The request runs from here until `finish`: counted as load on its server, and a
@@ -139,7 +159,9 @@ class Router:
             self.sessions.leave(url, session)
             return route
         route.conversation = self.sessions.remember(url, session, ident)
-        route._on_release.append(lambda: self.sessions.leave(url, session))
+        route._on_final.append(lambda: self.sessions.finishing(url, session))
+        route._on_release.append(
+            lambda: self.sessions.leave(url, session, finishing=route.final_seen))
         return route
 
     # ---- its end -------------------------------------------------------------------------------

@@ -82,13 +82,26 @@ class Route:
     seed_key: str | None = None
     conversation: Conversation | None = None  # what the slot holds for the session afterwards
     placement: str = ""  # pool only: why this server (placement.STAY, CHEAPEST, ...)
+    final_seen: bool = False  # the answer's final event went to the client
     _on_release: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    _on_final: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def final_event(self) -> None:
+        """The answer's final event is on its way to the client (`done: true`, the event with
+        llama-server's timings, `[DONE]`): only bookkeeping is left. Idempotent."""
+        if self.final_seen:
+            return
+        self.final_seen = True
+        callbacks, self._on_final = self._on_final, []
+        for callback in callbacks:
+            callback()
 
     def release(self) -> None:
         """Idempotent, never blocks: drops the lease and this process's count of the
         session's running requests. The one place a request's hold on its slot ends."""
         if self.lease is not None:
             self.lease.release()
+        self._on_final = []  # a final event after the end changes nothing
         callbacks, self._on_release = self._on_release, []
         for callback in callbacks:
             callback()
