@@ -17,6 +17,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .policy import Prefix
 from .prompts import Prompt, id_text, read_prompt
 
 
@@ -47,6 +48,9 @@ class Identity:
     # Set by the router's sessions room, not by identify: a content request that continues a
     # conversation whose prompt it rebuilt (shares its longest prefix) instead of extending it.
     rewrites: bool = False
+    # Also set by sessions: a new conversation (a fork) whose opening another session holds,
+    # and how much of it they share.
+    prefix: Prefix | None = None
 
 
 # ---- rule 1: headers ------------------------------------------------------------------------

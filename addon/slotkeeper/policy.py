@@ -158,6 +158,42 @@ def classify(*, chain: Sequence[str], system_key: str | None, prompt_chars: int,
     return MOVE if own_request_running else MAIN
 
 
+# A snapshot restored as another conversation's prefix is reused by llama-server only up to
+# where the two diverge, and on sliding-window models (Gemma 3: 512-token window) only when
+# they diverge within the window of the snapshot's end: a restore clears the server's context
+# checkpoints and keeps only the window's cells of the sliding layers, so an earlier
+# divergence re-prefills everything (measured, docs/DESIGN.md "Prefix first"). The server does
+# not say its window; this is below the smallest common one.
+PREFIX_TAIL_TOKENS = 384
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """A new conversation's parent: the session whose conversation shares the longest chain
+    prefix with it, `items` chain items (the system block, then messages) of `chars`
+    characters; `parent_chars`: the parent's whole prompt."""
+
+    session: str
+    items: int
+    chars: int
+    parent_chars: int
+
+
+def prefix_restore_tokens(prefix: Prefix, *, snapshot_tokens: int,
+                          snapshot_messages: int) -> int:
+    """Tokens a new conversation may reuse from restoring its parent's snapshot (holding
+    `snapshot_messages` messages), 0 when the restore would not pay. Tokens are estimated
+    from the parent's own characters per token."""
+    if snapshot_tokens <= 0 or prefix.items < 2 or prefix.parent_chars <= 0:
+        return 0
+    if snapshot_messages <= prefix.items - 1:
+        return snapshot_tokens  # the snapshot is all prefix (its reply may differ)
+    shared = min(snapshot_tokens, snapshot_tokens * prefix.chars // prefix.parent_chars)
+    if snapshot_tokens - shared > PREFIX_TAIL_TOKENS:
+        return 0
+    return shared
+
+
 def strictly_extends(chain: Sequence[str], conversation: Conversation | None) -> bool:
     """A request that holds the whole conversation and more: its client has read the answer
     of the request that made that conversation (the reply is in it)."""

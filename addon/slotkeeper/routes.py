@@ -83,6 +83,7 @@ class Route:
     conversation: Conversation | None = None  # what the slot holds for the session afterwards
     placement: str = ""  # pool only: why this server (placement.STAY, CHEAPEST, ...)
     final_seen: bool = False  # the answer's final event went to the client
+    prefix_from: str = ""  # restored from this session's snapshot, as its prefix (a fork)
     _on_release: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _on_final: list[Callable[[], None]] = field(default_factory=list, repr=False)
 

@@ -70,10 +70,26 @@ class Sessions:
         known.update(self.openings.get(ident.session_id, {}))
         chains = {s: self.chains[s] for s in known if s in self.chains}
         session = policy.resolve_content(ident.session_id, ident.chain, known, chains)
-        rewrites = session in known and not policy.extends(ident.chain, known[session])
-        if session == ident.session_id and not rewrites:
-            return ident
-        return replace(ident, session_id=session, rewrites=rewrites)
+        if session not in known:
+            return self._fork(ident, session, chains, known)
+        if policy.extends(ident.chain, known[session]):
+            return ident if session == ident.session_id else replace(ident, session_id=session)
+        return replace(ident, session_id=session, rewrites=True)
+
+    def _fork(self, ident: Identity, session: str, chains: dict[str, tuple[str, ...]],
+              known: dict[str, Conversation]) -> Identity:
+        """A new conversation: it may start from the longest prefix another session holds
+        (its parent: the handover restores the parent's snapshot when that pays)."""
+        parent, shared = "", 0
+        for other, chain in chains.items():
+            n = policy.common_prefix(ident.chain, chain)
+            if n > shared:
+                parent, shared = other, n
+        if shared < policy.MIN_CONTINUED_PREFIX or not ident.chain_chars:
+            return ident if session == ident.session_id else replace(ident, session_id=session)
+        parent_chars = known[parent].chars if parent in known else 0
+        return replace(ident, session_id=session, prefix=policy.Prefix(
+            parent, shared, ident.chain_chars[shared - 1], parent_chars))
 
     def conversation_of(self, url: str, session: str,
                         rec: SlotRecord | None) -> Conversation | None:
