@@ -130,7 +130,7 @@ class Router:
                 log.info("%s placed on %s (%s)", session, url, placed.reason)
             if waited is not None:
                 route.detail = "; ".join(filter(None, [
-                    f"waited {waited * 1000:.0f} ms for its previous request to end",
+                    f"waited {waited * 1000:.1f} ms for its previous request to end",
                     route.detail]))
             return self._begin(route, ident, started)
 
