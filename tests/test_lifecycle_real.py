@@ -53,8 +53,11 @@ FAULTS = {
 }
 
 
-def completion_flow(session: str, question: str) -> http.HTTPFlow:
+def completion_flow(url: str, session: str, question: str) -> http.HTTPFlow:
+    """A flow as reverse mode gives it: pointed at the llama-server at `url`."""
     flow = tflow.tflow()
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    flow.request.scheme, flow.request.host, flow.request.port = "http", host, int(port)
     flow.request.method, flow.request.path = "POST", "/v1/chat/completions"
     flow.request.headers["x-session-id"] = session
     flow.request.content = json.dumps({
@@ -118,16 +121,17 @@ def test_a_failing_hook_never_leaks_the_lease_or_the_running_count(fault, llama,
 
         async def scenario() -> str:
             # The session's first request claims a slot, with nothing failing.
-            await run_flow(keeper, completion_flow(session, "Name a colour."), llama.url)
+            first = completion_flow(llama.url, session, "Name a colour.")
+            await run_flow(keeper, first, llama.url)
             target, name, replacement = FAULTS[fault]
             with monkeypatch.context() as patch:
                 patch.setattr(target, name, replacement)
-                await run_flow(keeper, completion_flow(session, "Name a fruit."), llama.url,
-                               fail_upstream=fault.startswith("error"))
+                second = completion_flow(llama.url, session, "Name a fruit.")
+                await run_flow(keeper, second, llama.url, fail_upstream=fault.startswith("error"))
             assert held_slots(keeper, llama.url, 4) == [], "a lease leaked"
             assert keeper.router.sessions.running_on(session) == [], "running count leaked"
             assert keeper.in_flight == 0
-            third = completion_flow(session, "Name an animal.")
+            third = completion_flow(llama.url, session, "Name an animal.")
             await run_flow(keeper, third, llama.url)
             return third.metadata[SUMMARY_KEY]["action"]
 

@@ -73,7 +73,8 @@ def launch(argv: Sequence[str]) -> int:
                "test model is started first.")
     parser.add_argument("--web", action="store_true", help="run mitmweb instead of mitmdump")
     parser.add_argument("--conf", type=Path, default=None,
-                        help="options file (default: ./mitm.conf, else the one shipped with slotkeeper)")
+                        help="options file (default: ./mitm.conf, else the one installed with "
+                             "slotkeeper)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the commands instead of running them")
     ours, user_args = parser.parse_known_args(argv)

@@ -154,14 +154,13 @@ class Router:
         route.seed_key = ident.seed_key
         route.ms = (time.monotonic() - started) * 1000
         self.pool.count(url, +1)
-        route._on_release.append(lambda: self.pool.count(url, -1))
+        route.on_release(lambda: self.pool.count(url, -1))
         if route.action not in OWNING:
             self.sessions.leave(url, session)
             return route
         route.conversation = self.sessions.remember(url, session, ident)
-        route._on_final.append(lambda: self.sessions.finishing(url, session))
-        route._on_release.append(
-            lambda: self.sessions.leave(url, session, finishing=route.final_seen))
+        route.on_final(lambda: self.sessions.finishing(url, session))
+        route.on_release(lambda: self.sessions.leave(url, session, finishing=route.final_seen))
         return route
 
     # ---- its end -------------------------------------------------------------------------------

@@ -97,6 +97,14 @@ class Route:
         for callback in callbacks:
             callback()
 
+    def on_final(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once, when the answer's final event passes (`final_event`)."""
+        self._on_final.append(callback)
+
+    def on_release(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once, when the route is released."""
+        self._on_release.append(callback)
+
     def release(self) -> None:
         """Idempotent, never blocks: drops the lease and this process's count of the
         session's running requests. The one place a request's hold on its slot ends."""
@@ -106,10 +114,6 @@ class Route:
         callbacks, self._on_release = self._on_release, []
         for callback in callbacks:
             callback()
-
-    @property
-    def released(self) -> bool:
-        return (self.lease is None or not self.lease.held) and not self._on_release
 
 
 @dataclass(frozen=True)
