@@ -170,3 +170,16 @@ def test_a_request_holding_the_running_conversation_and_more_is_its_next_turn():
     assert not policy.strictly_extends(MAIN_CHAIN, running)  # a retry: the same request
     assert not policy.strictly_extends(("sys-main", "x", "y", "z", "w"), running)
     assert not policy.strictly_extends(MAIN_CHAIN + ("a",), None)
+
+
+def test_a_parents_snapshot_is_restored_for_a_fork_only_when_the_server_will_reuse_it():
+    """A restore keeps only the sliding window's cells of a Gemma 3 slot: a fork diverging
+    more than the window before the snapshot's end reuses nothing (docs/DESIGN.md)."""
+    near_end = policy.Prefix("parent", items=3, chars=9_000, parent_chars=10_000)
+    assert policy.prefix_restore_tokens(near_end, snapshot_tokens=2_500,
+                                        snapshot_messages=3) == 2_250
+    far = policy.Prefix("parent", items=3, chars=4_000, parent_chars=10_000)
+    assert policy.prefix_restore_tokens(far, snapshot_tokens=2_500, snapshot_messages=5) == 0
+    # A snapshot older than the divergence is all prefix.
+    assert policy.prefix_restore_tokens(far, snapshot_tokens=1_000, snapshot_messages=2) == 1_000
+    assert policy.prefix_restore_tokens(far, snapshot_tokens=0, snapshot_messages=0) == 0
