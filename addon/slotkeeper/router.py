@@ -57,7 +57,7 @@ class Router:
         self.snapshots = Snapshots(folder, locks, clock) if folder is not None else None
         seeds = (SeedBuilder(self.snapshots, config.seed_min_chars, config.max_seeds)
                  if self.snapshots is not None else None)
-        self.upstreams = Upstreams(state, config.slots_timeout)
+        self.upstreams = Upstreams(state, config.slots_timeout, config.api_key)
         self.sessions = Sessions(state, config.small_request_chars, config.upstreams)
         self.saves = Saves(state, self.snapshots, config.min_save_tokens)
         self.pool = Pool(config, state, locks, folder, clock, self.upstreams, self.sessions,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from .admin import SessionAdmin
 from .local import state_dir  # the same folder as addon.default_state_dir()
 from .slotfiles import SlotFolder
 from .state import StateDoc
-from .upstream import SlotsUnavailable, Upstream
+from .upstream import UPSTREAM_KEY_ENV, SlotsUnavailable, Upstream
 
 DEFAULT_PROXY = "http://127.0.0.1:8000"
 PROXY_TIMEOUT_S = 3.0
@@ -62,12 +63,20 @@ class Report:
         return dict(self.__dict__)
 
 
+def api_auth() -> dict[str, str]:
+    """The proxy's slotkeeper_api_token, from $SLOTKEEPER_API_TOKEN: with a token set, every
+    management call needs it, loopback included."""
+    token = os.environ.get("SLOTKEEPER_API_TOKEN", "")
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def from_proxy(url: str) -> tuple[dict, list[dict] | None, str | None]:
     """(current, saved sessions or None, note). Raises StatusError when no slotkeeper proxy
     answers at `url`."""
     base = url.rstrip("/")
     try:
-        r = requests.get(base + "/api/sessions/current", timeout=PROXY_TIMEOUT_S)
+        r = requests.get(base + "/api/sessions/current", timeout=PROXY_TIMEOUT_S,
+                         headers=api_auth())
     except requests.RequestException as e:
         raise StatusError(f"no proxy at {url} ({_short(e)})") from None
     current = _json(r)
@@ -76,7 +85,7 @@ def from_proxy(url: str) -> tuple[dict, list[dict] | None, str | None]:
         raise StatusError(f"{url} is not a slotkeeper proxy (GET /api/sessions/current "
                           f"answered {r.status_code})")
     try:
-        r = requests.get(base + "/api/sessions", timeout=PROXY_TIMEOUT_S)
+        r = requests.get(base + "/api/sessions", timeout=PROXY_TIMEOUT_S, headers=api_auth())
     except requests.RequestException as e:
         return current, None, f"GET /api/sessions failed: {_short(e)}"
     saved = _json(r)
@@ -133,7 +142,8 @@ def from_files(state_file: Path, slot_dir: Path | None) -> tuple[dict, list[dict
 def live_slots(url: str) -> tuple[dict[int, Any] | None, str | None]:
     """The upstream's own view of its slots (id -> SlotView), or None and why."""
     try:
-        views = Upstream(url, timeout=SLOTS_TIMEOUT_S).slots()
+        views = Upstream(url, timeout=SLOTS_TIMEOUT_S,
+                         api_key=os.environ.get(UPSTREAM_KEY_ENV, "")).slots()
     except SlotsUnavailable as e:
         return None, _short(e)
     return {v.id: v for v in views}, None
