@@ -2,8 +2,8 @@
 slotkeeper's old rules must do at least as well as llama-server alone.
 
 - A header-less agent that rebuilds its prompt every turn reuses at least what a direct
-  llama-server (`--slot-prompt-similarity 0`) reuses on the same turns, and leaves no fork
-  snapshots behind.
+  llama-server reuses on the same turns (`--slot-prompt-similarity 0`, and the default), and
+  leaves no fork snapshots behind.
 - A client that sends its next turn the moment it reads the final event (the previous
   response still open) has every later turn `kept`.
 - A chat UI's title request that arrives before its chat's next turn does not take the chat's
@@ -48,8 +48,12 @@ def snapshots_in(folder: Path) -> list[str]:
 
 def test_rebuilt_prompt_agent_reuses_what_llama_server_alone_reuses(make_llama, make_proxy,
                                                                    tmp_path):
+    """Against llama-server alone with both of its own settings: `--slot-prompt-similarity 0`
+    (its RAM cache handles every slot change) and the default (it picks the most similar
+    slot); per turn, the better of the two."""
     slots = tmp_path / "slots"
     direct = make_llama(np=2, ctx=8192, extra=["--slot-prompt-similarity", "0"])
+    default = make_llama(np=2, ctx=8192)
     server = make_llama(np=2, ctx=8192, slot_save_path=slots)
     proxy = make_proxy(server, slotkeeper_slot_dir=str(slots), slotkeeper_idle_save_seconds=1)
     agent = RebuiltPromptAgent()
@@ -57,7 +61,9 @@ def test_rebuilt_prompt_agent_reuses_what_llama_server_alone_reuses(make_llama, 
     for turn in range(1, 5):
         messages = agent.messages(turn)
         through.append(post(proxy.url, messages))
-        alone.append(post(direct.url, messages))
+        best = max((post(direct.url, messages), post(default.url, messages)),
+                   key=lambda t: t["timings"]["cache_n"])
+        alone.append(best)
         agent.record(turn, through[-1]["reply"])
     sessions = {t["session"] for t in through}
     assert len(sessions) == 1, through  # one conversation, not a fork per turn
@@ -69,7 +75,7 @@ def test_rebuilt_prompt_agent_reuses_what_llama_server_alone_reuses(make_llama, 
     later = sum(t["timings"]["prompt_n"] for t in through[1:])
     direct_later = sum(t["timings"]["prompt_n"] for t in alone[1:])
     print("rebuilt agent prefill per turn, slotkeeper:",
-          [t["timings"]["prompt_n"] for t in through], "direct -sps 0:",
+          [t["timings"]["prompt_n"] for t in through], "llama-server alone (best setting):",
           [t["timings"]["prompt_n"] for t in alone])
     assert later <= direct_later + 3, (later, direct_later)
     # Forks leave nothing: one snapshot at most (the conversation's own, by its idle save).
