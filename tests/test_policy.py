@@ -145,6 +145,12 @@ def test_a_request_sharing_little_with_the_slot_is_side_and_its_next_turn_main()
     assert policy.classify(chain=title, system_key=None, prompt_chars=3900,
                            small_request_chars=2000, resident=chat,
                            own_request_running=False, common_chars=0) == SIDE
+    # Another system prompt: the sizes decide, whatever it shares (OpenCode's title came
+    # first and holds the slot; the main request is bigger).
+    title_first = Conversation.of(("sys-title", "t1"), "title-system", 2500)
+    assert policy.classify(chain=MAIN_CHAIN, system_key="main-system", prompt_chars=21_000,
+                           small_request_chars=2000, resident=title_first,
+                           own_request_running=True, common_chars=0) == MOVE
     # Compaction keeps the system prompt and tools (most of the prompt): still main.
     assert classify(("sys-main", "summary", "m9"), chars=15_000) == MAIN
     assert policy.classify(chain=("sys-main", "summary", "m9"), system_key="main-system",

@@ -130,10 +130,12 @@ def classify(*, chain: Sequence[str], system_key: str | None, prompt_chars: int,
     - A different system prompt and a smaller prompt than the slot holds: another task of the
       same client (OpenCode's title request carries the session's id and its own system prompt).
     - Less than half the resident prompt and not an extension: a side request too.
-    - Shares (`common_chars`: the characters of the chain prefix it has in common with the
-      resident conversation, when known) less than half of the resident prompt: it does not
-      continue what the slot holds (a chat UI's title request carrying the chat's id and a
-      transcript of it, issue #19); a side request.
+    - The same system prompt, but sharing (`common_chars`: the characters of the chain prefix
+      it has in common with the resident conversation, when known) less than half of the
+      resident prompt: it does not continue what the slot holds (a chat UI's title request
+      carrying the chat's id and a transcript of it, issue #19); a side request. With another
+      system prompt the sizes decide (above): a bigger request is the main conversation even
+      when the smaller one (OpenCode's title) came first and holds the slot.
     - Anything else rewrote the conversation (compaction keeps the system prompt and tools,
       most of the prompt): it is the main conversation now.
     Two requests of one session never queue on one slot: a continuation that finds its slot
@@ -153,7 +155,8 @@ def classify(*, chain: Sequence[str], system_key: str | None, prompt_chars: int,
         return SIDE
     if prompt_chars < resident.chars * SHRINK_RATIO:
         return SIDE
-    if common_chars is not None and common_chars < resident.chars * SHRINK_RATIO:
+    if (common_chars is not None and system_key == resident.system_key
+            and common_chars < resident.chars * SHRINK_RATIO):
         return SIDE
     return MOVE if own_request_running else MAIN
 
