@@ -83,10 +83,15 @@ class Router:
         """The fast path, on the event loop: a session that owns its slot keeps it (no
         network). None means: take the slow path (`route`)."""
         started = time.monotonic()
+        return self._keep(url, self.sessions.resolve(url, ident), started)
+
+    def _keep(self, url: str, ident: Identity, started: float) -> Route | None:
+        """`try_keep` for a resolved request; also the slow path's first try after waiting
+        for the session's previous request (no /slots read, which a busy server answers only
+        between two steps of its batch: seconds while it prefills)."""
         info = self.upstreams.peek(url)
         if info is None or info.suspect:
             return None
-        ident = self.sessions.resolve(url, ident)
         running = self.sessions.enter(url, ident.session_id)
         try:
             route = self.walk.keep(url, ident, running)
@@ -106,6 +111,11 @@ class Router:
         ident = self.sessions.resolve(url, ident)
         session = ident.session_id
         waited = self._wait_for_previous(url, ident)
+        if waited is not None and client_slot is None and not self.pool.pooled:
+            kept = self._keep(url, ident, started)
+            if kept is not None:
+                kept.detail = f"waited {waited * 1000:.1f} ms for its previous request to end"
+                return kept
         with ExitStack() as reservations, self.pool.placement_lock(session):
             for _attempt in range(PLACEMENT_ATTEMPTS):
                 placed = None
