@@ -252,3 +252,45 @@ def kill_group(proc: subprocess.Popen[str]) -> None:
         os.killpg(proc.pid, 9)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+# ---- emulated clients (issue #19): patterns the real CLIs above do not show -------------------
+
+def words(count: int, seed: str) -> str:
+    """`count` pseudo-random words, the same for the same seed in every run."""
+    import random
+    rng = random.Random(seed)
+    vocab = ("the", "agent", "reads", "files", "before", "editing", "them", "keeps", "changes",
+             "small", "tests", "pass", "commit", "explains", "parser", "config", "module",
+             "error", "retry", "timeout", "buffer", "stream", "index", "cache", "token")
+    return " ".join(rng.choice(vocab) for _ in range(count))
+
+
+@dataclass
+class RebuiltPromptAgent:
+    """A header-less coding agent that rebuilds its prompt every turn: a fixed system prompt
+    and two example exchanges, then the history (bare questions and replies), then one user
+    message with the file it was given, the new question and a reminder. No turn extends the
+    previous one; consecutive turns share a growing prefix."""
+    name: str = "rebuilt"
+    system_words: int = 600
+    file_words: int = 300
+    history: list[dict] = field(default_factory=list)
+
+    def messages(self, turn: int) -> list[dict]:
+        examples = []
+        for k in (1, 2):
+            examples += [{"role": "user", "content": "Example task: " + words(40, f"ex{k}")},
+                         {"role": "assistant", "content": "Example answer: " + words(30, f"a{k}")}]
+        last = (f"File src/main.py:\n{words(self.file_words, 'file')}\n\n{self.question(turn)}"
+                "\n\n<reminder>Answer briefly; do not edit files you were not given.</reminder>")
+        return [{"role": "system", "content": f"You are {self.name}, a careful coding agent. "
+                 + words(self.system_words, "system")},
+                *examples, *self.history, {"role": "user", "content": last}]
+
+    def question(self, turn: int) -> str:
+        return f"[turn {turn}] " + words(60, f"q{turn}")
+
+    def record(self, turn: int, reply: str) -> None:
+        self.history += [{"role": "user", "content": self.question(turn)},
+                         {"role": "assistant", "content": reply}]

@@ -123,6 +123,24 @@ def test_sse_watcher_passes_chunks_and_finds_split_timings():
     assert watcher.timings == bodies.Timings(cache_n=40, prompt_n=7, predicted_n=3, prompt_ms=1.5)
 
 
+def test_sse_watcher_tells_the_final_event_once_and_only_then():
+    """Issue #19: a client may send its next turn the moment it reads the final event; the
+    watcher says when that event passes (a finish reason, /completion's stop, [DONE]), not
+    before, and a finish reason the model writes in its text (escaped) is not one."""
+    seen = []
+    watcher = bodies.SseTimingsWatcher(on_final=lambda: seen.append(True))
+    watcher(b'data: {"choices":[{"delta":{"content":"\\"finish_reason\\":\\"x"},'
+            b'"finish_reason":null}]}\n\n')
+    watcher(b'data: {"choices":[{"delta":{},"finish_reason":"st')
+    assert seen == [] and not watcher.final
+    watcher(b'op"}],"timings":{"cache_n":1,"prompt_n":2}}\n\n')
+    watcher(b"data: [DONE]\n\n")
+    assert seen == [True] and watcher.final
+    completion = bodies.SseTimingsWatcher(on_final=lambda: seen.append("c"))
+    completion(b'data: {"content":"","stop":true,"timings":{"cache_n":1,"prompt_n":2}}\n\n')
+    assert seen == [True, "c"]
+
+
 def test_timings_in_json():
     t = bodies.timings_in_json(b'{"timings": {"cache_n": 5, "prompt_n": 2}}')
     assert t is not None and t.prompt_tokens == 7

@@ -121,3 +121,89 @@ def test_a_retry_of_the_running_request_waits_for_it_on_its_slot():
     assert classify(MAIN_CHAIN + ("m4",), running=True) == SIDE
     unknown = Conversation(None, 4, "", 20_000)  # an older record: no chain to compare
     assert classify(MAIN_CHAIN, running=True, current=unknown) == SIDE
+
+
+# ---- issue #19: prefix first, told by what they are -------------------------------------------
+
+def test_common_prefix_counts_the_leading_items_two_chains_share():
+    assert policy.common_prefix(("a", "b", "c"), ("a", "b", "x", "y")) == 2
+    assert policy.common_prefix((), ("a",)) == 0
+    assert policy.common_prefix(("a", "b"), ("a", "b")) == 2
+
+
+def test_a_rebuilt_prompt_continues_the_conversation_it_shares_the_most_with():
+    """A header-less agent rebuilds its prompt each turn: system, examples, history, then the
+    new message with the file and a reminder. No turn extends the previous one; the next turn
+    is longer and shares its system prompt and examples (and the history so far)."""
+    base = "content-0123456789abcdef"
+    turn1 = ("sys", "ex1", "ex1a", "ex2", "ex2a", "file+q1")
+    turn2 = ("sys", "ex1", "ex1a", "ex2", "ex2a", "q1", "a1", "file+q2")
+    known = {base: Conversation.of(turn1, "s", 6000)}
+    assert policy.resolve_content(base, turn2, known, {base: turn1}) == base
+    assert policy.rebuilt_from(turn2, known, {base: turn1}) == base
+    # Without its chain (forgotten, another process) it forks, as before.
+    assert policy.resolve_content(base, turn2, known, {}) != base
+
+
+def test_a_new_conversation_with_the_same_opening_still_forks():
+    """Fault 5: not longer than the known conversation, so not the same agent's next turn."""
+    base = "content-0123456789abcdef"
+    old = ("sys", "m1", "a1", "m2")
+    known = {base: Conversation.of(old, "s", 6000)}
+    fork = policy.resolve_content(base, ("sys", "m1x"), known, {base: old})
+    assert fork.startswith(base + ".")
+    assert policy.rebuilt_from(("sys", "m1", "a1", "m2x"), known, {base: old}) is None
+
+
+def test_a_request_sharing_little_with_the_slot_is_side_and_its_next_turn_main():
+    """A chat UI's title request carries the chat's id and a transcript of the chat in one
+    message (no system prompt): it shares nothing with the chat's conversation (issue #19)."""
+    chat = Conversation.of(("nosys", "doc+q1"), None, 4000)
+    title = ("nosys", "title task + transcript")
+    assert policy.classify(chain=title, system_key=None, prompt_chars=3900,
+                           small_request_chars=2000, resident=chat,
+                           own_request_running=False, common_chars=0) == SIDE
+    # Another system prompt: the sizes decide, whatever it shares (OpenCode's title came
+    # first and holds the slot; the main request is bigger).
+    title_first = Conversation.of(("sys-title", "t1"), "title-system", 2500)
+    assert policy.classify(chain=MAIN_CHAIN, system_key="main-system", prompt_chars=21_000,
+                           small_request_chars=2000, resident=title_first,
+                           own_request_running=True, common_chars=0) == MOVE
+    # Compaction keeps the system prompt and tools (most of the prompt): still main.
+    assert classify(("sys-main", "summary", "m9"), chars=15_000) == MAIN
+    assert policy.classify(chain=("sys-main", "summary", "m9"), system_key="main-system",
+                           prompt_chars=15_000, small_request_chars=2000, resident=resident(),
+                           own_request_running=False, common_chars=12_000) == MAIN
+    # An edited message: side first; its next turn (extends it, longer) is the main one.
+    edited = Conversation.of(("nosys", "doc+q1 edited"), None, 4000)
+    assert policy.classify(chain=("nosys", "doc+q1 edited", "a", "q2"), system_key=None,
+                           prompt_chars=4500, small_request_chars=2000, resident=chat,
+                           own_request_running=False, common_chars=0,
+                           last_side=edited) == MAIN
+
+
+def test_a_rebuilt_prompt_resolved_by_sessions_is_the_main_conversation():
+    assert policy.classify(chain=("sys-main", "other", "more"), system_key="main-system",
+                           prompt_chars=21_000, small_request_chars=2000, resident=resident(),
+                           own_request_running=False, rewrites=True, common_chars=10) == MAIN
+
+
+def test_a_request_holding_the_running_conversation_and_more_is_its_next_turn():
+    running = Conversation.of(MAIN_CHAIN, "s", 9000)
+    assert policy.strictly_extends(MAIN_CHAIN + ("a", "q"), running)
+    assert not policy.strictly_extends(MAIN_CHAIN, running)  # a retry: the same request
+    assert not policy.strictly_extends(("sys-main", "x", "y", "z", "w"), running)
+    assert not policy.strictly_extends(MAIN_CHAIN + ("a",), None)
+
+
+def test_a_parents_snapshot_is_restored_for_a_fork_only_when_the_server_will_reuse_it():
+    """A restore keeps only the sliding window's cells of a Gemma 3 slot: a fork diverging
+    more than the window before the snapshot's end reuses nothing (docs/DESIGN.md)."""
+    near_end = policy.Prefix("parent", items=3, chars=9_000, parent_chars=10_000)
+    assert policy.prefix_restore_tokens(near_end, snapshot_tokens=2_500,
+                                        snapshot_messages=3) == 2_250
+    far = policy.Prefix("parent", items=3, chars=4_000, parent_chars=10_000)
+    assert policy.prefix_restore_tokens(far, snapshot_tokens=2_500, snapshot_messages=5) == 0
+    # A snapshot older than the divergence is all prefix.
+    assert policy.prefix_restore_tokens(far, snapshot_tokens=1_000, snapshot_messages=2) == 1_000
+    assert policy.prefix_restore_tokens(far, snapshot_tokens=0, snapshot_messages=0) == 0

@@ -154,6 +154,12 @@ class Accounting:
         a prefix of the prompt. Two misses retire it (slotfiles)."""
         if self.snapshots is None or timings.cache_n >= route.restored_tokens // 2:
             return
+        if route.prefix_from:
+            # Another session's snapshot, restored as a fork's prefix: it was a guess, and a
+            # miss must not retire the parent's own snapshot.
+            log.info("%s reused %d of ~%d tokens of %s's prefix", route.session,
+                     timings.cache_n, route.restored_tokens, route.prefix_from)
+            return
         snapshot = route.session
         if route.action == SEEDED and route.seed_key is not None:
             snapshot = seed_id(route.seed_key)

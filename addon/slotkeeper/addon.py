@@ -205,7 +205,7 @@ class SlotKeeper:
             })
         if streamed and route is not None:
             # Pass each event on as it arrives; watch for the final event's timings.
-            watcher = SseTimingsWatcher()
+            watcher = SseTimingsWatcher(on_final=route.final_event)
             flow.metadata[WATCH_KEY] = watcher
             flow.response.stream = watcher
         if streamed and translation is not None and flow.response.status_code == 200:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 # POST paths whose requests run a prompt in a slot (llama-server's own and its OpenAI/Anthropic
@@ -307,14 +308,23 @@ def timings_in_json(raw: bytes) -> Timings | None:
         return None
 
 
+# What marks llama-server's final event of a stream, read on the raw line (no parse): a chat
+# or completions choice with a finish reason (`null` until then), /completion's `stop`, the
+# Responses API's completion, the end marker.
+_FINAL_MARKS = (b'"finish_reason":"', b'"stop":true', b'"response.completed"', b"[DONE]")
+
+
 class SseTimingsWatcher:
     """Passes a server-sent-event stream through unchanged, chunk by chunk, and remembers the
     last `timings` it saw (llama-server puts them in the final event). Used as
-    `flow.response.stream`, so nothing is buffered beyond one partial line."""
+    `flow.response.stream`, so nothing is buffered beyond one partial line. `on_final` is
+    called once, when the final event passes (before the client has it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_final: Callable[[], None] | None = None) -> None:
         self._lines = SseLines()  # a runaway line is dropped: stop looking, keep streaming
         self.timings: Timings | None = None
+        self.final = False
+        self._on_final = on_final
 
     def __call__(self, chunk: bytes) -> bytes:
         for line in self._lines.feed(chunk):
@@ -326,4 +336,9 @@ class SseTimingsWatcher:
                 found = timings_from(event, self.timings)
                 if found is not None:
                     self.timings = found
+            if not self.final and line.startswith(b"data:") and any(
+                    mark in line for mark in _FINAL_MARKS):
+                self.final = True
+                if self._on_final is not None:
+                    self._on_final()
         return chunk

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from . import metrics
+from . import metrics, policy
 from .identity import Identity
 from .locks import SlotLease
 from .routes import ASSIGNED, RESTORED, SEEDED, Route
@@ -20,6 +20,8 @@ from .upstream import UpstreamError
 from .upstreams import UpstreamInfo
 
 log = logging.getLogger("slotkeeper")
+
+PREFIXED = "prefixed"  # inside the handover only: restored from the parent's snapshot
 
 
 class Handover:
@@ -63,8 +65,10 @@ class Handover:
                         "--slot-save-path set to slotkeeper_slot_dir; sessions are pinned but "
                         "not saved", url)
         self.saves.mark_fresh(url, slot, session, restored)
-        return Route(url, session, ident.rule, slot, action, detail="; ".join(notes),
-                     lease=lease, restored_tokens=restored)
+        prefix_from = ident.prefix.session if action == PREFIXED and ident.prefix else ""
+        return Route(url, session, ident.rule, slot,
+                     RESTORED if action == PREFIXED else action, detail="; ".join(notes),
+                     lease=lease, restored_tokens=restored, prefix_from=prefix_from)
 
     def _restore(self, info: UpstreamInfo, ident: Identity, slot: int,
                  notes: list[str]) -> tuple[str, int]:
@@ -76,12 +80,39 @@ class Handover:
                                      ident.message_count, notes)
         if restored:
             return RESTORED, restored
+        restored = self._restore_prefix(info, ident, slot, notes)
+        if restored:
+            return PREFIXED, restored
         if ident.seed_key is not None:
             restored = snapshots.restore(info.client, props, slot, seed_id(ident.seed_key),
                                          ident.message_count, notes, what="seed")
             if restored:
                 return SEEDED, restored
         return ASSIGNED, 0
+
+    def _restore_prefix(self, info: UpstreamInfo, ident: Identity, slot: int,
+                        notes: list[str]) -> int:
+        """A new conversation (a fork) starts from its parent's snapshot when the server will
+        reuse it (policy.prefix_restore_tokens); the tokens it should reuse, 0 otherwise. The
+        parent's snapshot stays the parent's: a fork's low reuse is never its miss."""
+        prefix, snapshots = ident.prefix, self.snapshots
+        if prefix is None or snapshots is None or info.props is None:
+            return 0
+        meta = snapshots.folder.read_meta(prefix.session)
+        if meta is None:
+            return 0
+        expected = policy.prefix_restore_tokens(prefix, snapshot_tokens=meta.n_tokens,
+                                                snapshot_messages=meta.n_messages)
+        if not expected:
+            notes.append(f"{prefix.session}'s snapshot diverges too early to reuse")
+            return 0
+        restored = snapshots.restore(info.client, info.props, slot, prefix.session,
+                                     meta.n_messages, notes, what=f"{prefix.session}'s prefix")
+        if not restored:
+            return 0
+        notes.append(f"started from {prefix.session}'s prefix (~{expected:,} of "
+                     f"{restored:,} tokens)")
+        return expected
 
     def displace(self, url: str, info: UpstreamInfo, slot: int, session: str | None,
                  live_tokens: int, save: bool = True) -> str:

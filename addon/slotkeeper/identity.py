@@ -17,6 +17,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .policy import Prefix
 from .prompts import Prompt, id_text, read_prompt
 
 
@@ -41,6 +42,15 @@ class Identity:
     # tools), then one per message; chain[k] names the first k+1 items. A request continues
     # a conversation when its chain holds that conversation's last hash at the same place.
     chain: tuple[str, ...] = ()
+    # chain_chars[k]: characters of the first k+1 items (system block + tools, then each
+    # message's texts, replies included): how much of the prompt a common chain prefix is.
+    chain_chars: tuple[int, ...] = ()
+    # Set by the router's sessions room, not by identify: a content request that continues a
+    # conversation whose prompt it rebuilt (shares its longest prefix) instead of extending it.
+    rewrites: bool = False
+    # Also set by sessions: a new conversation (a fork) whose opening another session holds,
+    # and how much of it they share.
+    prefix: Prefix | None = None
 
 
 # ---- rule 1: headers ------------------------------------------------------------------------
@@ -133,6 +143,7 @@ def identify(path: str, headers: Mapping[str, str], body: object,
         else None,
         system_chars=system_chars,
         chain=_chain(prompt, system_digest),
+        chain_chars=_chain_chars(prompt, system_chars),
     )
 
 
@@ -356,6 +367,16 @@ def _chain(prompt: Prompt, system_digest: str) -> tuple[str, ...]:
         step = hashlib.blake2b(out[-1].encode(), digest_size=12)
         step.update(json.dumps(message, ensure_ascii=True, separators=(",", ":")).encode())
         out.append(step.hexdigest())
+    return tuple(out)
+
+
+def _chain_chars(prompt: Prompt, system_chars: int) -> tuple[int, ...]:
+    """Cumulative characters along the chain (same items as `_chain`)."""
+    if prompt.raw_prompt is not None or not prompt.messages:
+        return ()
+    out = [system_chars]
+    for size in prompt.message_sizes:
+        out.append(out[-1] + size)
     return tuple(out)
 
 

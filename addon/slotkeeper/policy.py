@@ -2,7 +2,8 @@
 question the router asks on a request's walk; docs/DESIGN.md ("Rooms" and "Conversations")
 gives the reasons and the traffic that forced each rule.
 
-- which conversation a content-identified request continues (`resolve_content`);
+- which conversation a content-identified request continues (`resolve_content`), by extension
+  or by the longest common prefix (`common_prefix`);
 - whether a request of a known session is its main conversation, a side request, or a main
   conversation that must move off its own busy slot (`classify`);
 - whether a slot's KV is worth saving (`worth_saving`, `grew_enough`);
@@ -52,59 +53,118 @@ def extends(chain: Sequence[str], conversation: Conversation) -> bool:
     return 0 < n <= len(chain) and chain[n - 1] == conversation.head
 
 
-def resolve_content(base: str, chain: Sequence[str],
-                    known: Mapping[str, Conversation]) -> str:
+def common_prefix(chain: Sequence[str], other: Sequence[str]) -> int:
+    """How many leading items two chains share. The hashes are cumulative, so the first
+    difference ends the common part: a binary search would do, a linear one is as fast for
+    the lengths seen (tens to hundreds of items) and simpler to check."""
+    n = 0
+    for mine, theirs in zip(chain, other):
+        if mine != theirs:
+            break
+        n += 1
+    return n
+
+
+# A content request that extends no known conversation continues the one it shares the most
+# of, when it shares at least the system block and the first message and is longer than that
+# conversation was: an agent that rebuilds its prompt each turn (issue #19). A shorter or equal
+# one is a new conversation with the same opening (a fork: fault 5), which never takes the
+# other's slot.
+MIN_CONTINUED_PREFIX = 2
+
+
+def resolve_content(base: str, chain: Sequence[str], known: Mapping[str, Conversation],
+                    chains: Mapping[str, Sequence[str]] | None = None) -> str:
     """The session of a content-identified request. `base` is the id identity derived from
     the conversation's start (model, system prompt, first user message); `known` holds the
-    conversations already seen under that start (session id -> its last conversation).
+    conversations already seen under that start (session id -> its last conversation);
+    `chains` the full chains of those this process remembers.
 
-    The request continues the longest known conversation it extends. Otherwise it is a new
-    conversation with the same opening: the first one seen gets `base` itself, later ones a
-    fork `base.<hash of the request's chain>`, so two conversations that open alike never
-    share a session (and overwrite each other's snapshot)."""
+    The request continues the longest known conversation it extends; else the one whose
+    prompt it rebuilt (`rebuilt_from`). Otherwise it is a new conversation with the same
+    opening: the first one seen gets `base` itself, later ones a fork `base.<hash of the
+    request's chain>`, so two conversations that open alike never share a session (and
+    overwrite each other's snapshot)."""
     best, best_length = None, -1
     for session, conversation in known.items():
         if conversation.head and extends(chain, conversation) and conversation.length > best_length:
             best, best_length = session, conversation.length
     if best is not None:
         return best
+    rebuilt = rebuilt_from(chain, known, chains or {})
+    if rebuilt is not None:
+        return rebuilt
     if base not in known or not chain:
         return base
     return f"{base}.{chain[-1][:8]}"
 
 
+def rebuilt_from(chain: Sequence[str], known: Mapping[str, Conversation],
+                 chains: Mapping[str, Sequence[str]]) -> str | None:
+    """The known conversation this request rebuilt, if any: it extends none, shares at least
+    MIN_CONTINUED_PREFIX items with one and is longer than it was (the longest common prefix
+    wins). A shorter or equal request is a new conversation with the same opening."""
+    found, best = None, MIN_CONTINUED_PREFIX - 1
+    for session, other in chains.items():
+        conversation = known.get(session)
+        if conversation is None or len(chain) <= conversation.length:
+            continue
+        n = common_prefix(chain, other)
+        if n > best:
+            found, best = session, n
+    return found
+
+
 def classify(*, chain: Sequence[str], system_key: str | None, prompt_chars: int,
              small_request_chars: int, resident: Conversation | None,
-             own_request_running: bool) -> str:
+             own_request_running: bool, rewrites: bool = False,
+             common_chars: int | None = None, last_side: Conversation | None = None) -> str:
     """Is this request the session's main conversation (MAIN), a side request (SIDE), or the
     session's main conversation arriving while its slot still runs another request of the
     same session (MOVE: take a fresh slot instead of queueing behind it)?
 
     - Small prompts are side requests (titles, tags, a first "hi"): cheap to prefill anywhere.
-    - A request that extends the resident conversation is its next turn.
+    - A request that extends the resident conversation is its next turn; so is one that
+      sessions resolved as the same agent's rebuilt prompt (`rewrites`).
+    - A request that extends the session's last side request (by divergence, below) and is
+      longer: the conversation changed course there (an edited message, then its next turn).
     - A different system prompt and a smaller prompt than the slot holds: another task of the
       same client (OpenCode's title request carries the session's id and its own system prompt).
     - Less than half the resident prompt and not an extension: a side request too.
-    - Anything else rewrote the conversation (compaction, an edited history): it is the main
-      conversation now.
+    - The same system prompt, but sharing (`common_chars`: the characters of the chain prefix
+      it has in common with the resident conversation, when known) less than half of the
+      resident prompt: it does not continue what the slot holds (a chat UI's title request
+      carrying the chat's id and a transcript of it, issue #19); a side request. With another
+      system prompt the sizes decide (above): a bigger request is the main conversation even
+      when the smaller one (OpenCode's title) came first and holds the slot.
+    - Anything else rewrote the conversation (compaction keeps the system prompt and tools,
+      most of the prompt): it is the main conversation now.
     Two requests of one session never queue on one slot: a continuation that finds its slot
-    busy with the session's own request is placed as a side request; a new main conversation
-    moves to a slot of its own. The one exception is a retry: the running request itself
-    again (same conversation, same length) waits for it on its slot."""
+    busy with the session's own request is placed as a side request (the router first waits
+    briefly for a request that already sent its final event); a new main conversation moves
+    to a slot of its own. The one exception is a retry: the running request itself again
+    (same conversation, same length) waits for it on its slot."""
     if prompt_chars < small_request_chars:
         return SIDE
     if resident is None:
         return MOVE if own_request_running else MAIN
-    if extends(chain, resident):
-        if own_request_running and resident.head and len(chain) == resident.length:
-            # The very request that is running, again: a client's retry (an SDK that gave
-            # up waiting, X-Stainless-Retry-Count). It goes where the original went and
-            # reuses what the original prefilled there (issue #23).
-            return MAIN
+    if (own_request_running and resident.head and len(chain) == resident.length
+            and extends(chain, resident)):
+        # The very request that is running, again: a client's retry (an SDK that gave up
+        # waiting, X-Stainless-Retry-Count). It goes where the original went and reuses what
+        # the original prefilled there (issue #23).
+        return MAIN
+    if rewrites or extends(chain, resident):
         return SIDE if own_request_running else MAIN
+    if (last_side is not None and last_side.head and len(chain) > last_side.length
+            and extends(chain, last_side)):
+        return MOVE if own_request_running else MAIN
     if system_key != resident.system_key and prompt_chars < resident.chars:
         return SIDE
     if prompt_chars < resident.chars * SHRINK_RATIO:
+        return SIDE
+    if (common_chars is not None and system_key == resident.system_key
+            and common_chars < resident.chars * SHRINK_RATIO):
         return SIDE
     return MOVE if own_request_running else MAIN
 
@@ -122,6 +182,49 @@ def order_for_side(ranking: Sequence[int], costs: Mapping[int, tuple[bool, int]]
     slot -> (processing, FREE | CURRENT | SAVE); a slot missing from it is taken as busy."""
     position = {slot: i for i, slot in enumerate(ranking)}
     return sorted(ranking, key=lambda slot: (*costs.get(slot, (True, SAVE)), position[slot]))
+
+
+# A snapshot restored as another conversation's prefix is reused by llama-server only up to
+# where the two diverge, and on sliding-window models (Gemma 3: 512-token window) only when
+# they diverge within the window of the snapshot's end: a restore clears the server's context
+# checkpoints and keeps only the window's cells of the sliding layers, so an earlier
+# divergence re-prefills everything (measured, docs/DESIGN.md "Prefix first"). The server does
+# not say its window; this is below the smallest common one.
+PREFIX_TAIL_TOKENS = 384
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """A new conversation's parent: the session whose conversation shares the longest chain
+    prefix with it, `items` chain items (the system block, then messages) of `chars`
+    characters; `parent_chars`: the parent's whole prompt."""
+
+    session: str
+    items: int
+    chars: int
+    parent_chars: int
+
+
+def prefix_restore_tokens(prefix: Prefix, *, snapshot_tokens: int,
+                          snapshot_messages: int) -> int:
+    """Tokens a new conversation may reuse from restoring its parent's snapshot (holding
+    `snapshot_messages` messages), 0 when the restore would not pay. Tokens are estimated
+    from the parent's own characters per token."""
+    if snapshot_tokens <= 0 or prefix.items < 2 or prefix.parent_chars <= 0:
+        return 0
+    if snapshot_messages <= prefix.items - 1:
+        return snapshot_tokens  # the snapshot is all prefix (its reply may differ)
+    shared = min(snapshot_tokens, snapshot_tokens * prefix.chars // prefix.parent_chars)
+    if snapshot_tokens - shared > PREFIX_TAIL_TOKENS:
+        return 0
+    return shared
+
+
+def strictly_extends(chain: Sequence[str], conversation: Conversation | None) -> bool:
+    """A request that holds the whole conversation and more: its client has read the answer
+    of the request that made that conversation (the reply is in it)."""
+    return (conversation is not None and bool(conversation.head)
+            and len(chain) > conversation.length and extends(chain, conversation))
 
 
 # What verify_slot() answers.

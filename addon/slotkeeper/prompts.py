@@ -53,6 +53,7 @@ class Prompt:
     message_chars: int = 0
     message_count: int = 0
     messages: tuple[tuple[str | None, tuple[str, ...]], ...] = ()  # (role, texts) after the system
+    message_sizes: tuple[int, ...] = ()  # characters of each message's texts (replies too)
 
 
 ANTHROPIC_ROUTES = frozenset({"/v1/messages", "/messages"})
@@ -117,12 +118,12 @@ def _read_conversation(body: dict, top_system: tuple[str, ...], messages: object
     rest = items[start:]
     tools_json, tools_chars = tools_of(body.get("tools"))
     # One walk over the messages' texts serves both the size and the chain.
-    message_chars = 0
     messages = []
+    sizes = []
     for message in rest:
         role = _role(message)
         texts = tuple(_texts(message))
-        message_chars += sum(len(text) for text in texts)
+        sizes.append(sum(len(text) for text in texts))
         messages.append((role, () if role in REPLY_ROLES else texts))
     return Prompt(
         model=_model(body),
@@ -130,9 +131,10 @@ def _read_conversation(body: dict, top_system: tuple[str, ...], messages: object
         first_user_parts=_first_user_parts(rest),
         tools_json=tools_json,
         tools_chars=tools_chars,
-        message_chars=message_chars,
+        message_chars=sum(sizes),
         message_count=len(items),
         messages=tuple(messages),
+        message_sizes=tuple(sizes),
     )
 
 
@@ -146,7 +148,8 @@ def _read_responses(body: dict) -> Prompt:
                        first_user_parts=(given,) if given else (), tools_json=tools_json,
                        tools_chars=tools_chars, message_chars=len(given),
                        message_count=1 if given else 0,
-                       messages=(("user", (given,)),) if given else ())
+                       messages=(("user", (given,)),) if given else (),
+                       message_sizes=(len(given),) if given else ())
     return _read_conversation(body, (), given, leading)
 
 

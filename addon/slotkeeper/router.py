@@ -42,6 +42,10 @@ from .walk import Walk
 log = logging.getLogger("slotkeeper")
 
 PLACEMENT_ATTEMPTS = 3  # another process moving the session meanwhile: place again
+# A session's next turn that arrives while its previous request is only finishing (its final
+# event sent, bookkeeping left) waits this long at most for it, then runs on its own slot
+# (issue #19). Measured bookkeeping: docs/DESIGN.md, "Ordering races".
+FINISH_WAIT_SECONDS = 5.0
 
 
 class Router:
@@ -83,10 +87,15 @@ class Router:
         """The fast path, on the event loop: a session that owns its slot keeps it (no
         network). None means: take the slow path (`route`)."""
         started = time.monotonic()
+        return self._keep(url, self.sessions.resolve(url, ident), started)
+
+    def _keep(self, url: str, ident: Identity, started: float) -> Route | None:
+        """`try_keep` for a resolved request; also the slow path's first try after waiting
+        for the session's previous request (no /slots read, which a busy server answers only
+        between two steps of its batch: seconds while it prefills)."""
         info = self.upstreams.peek(url)
         if info is None or info.suspect:
             return None
-        ident = self.sessions.resolve(url, ident)
         running = self.sessions.enter(url, ident.session_id)
         try:
             route = self.walk.keep(url, ident, running)
@@ -105,6 +114,12 @@ class Router:
         started = time.monotonic()
         ident = self.sessions.resolve(url, ident)
         session = ident.session_id
+        waited = self._wait_for_previous(url, ident)
+        if waited is not None and client_slot is None and not self.pool.pooled:
+            kept = self._keep(url, ident, started)
+            if kept is not None:
+                kept.detail = f"waited {waited * 1000:.1f} ms for its previous request to end"
+                return kept
         with ExitStack() as reservations, self.pool.placement_lock(session):
             for _attempt in range(PLACEMENT_ATTEMPTS):
                 placed = None
@@ -127,7 +142,22 @@ class Router:
             if placed is not None:
                 route.placement = placed.reason
                 log.info("%s placed on %s (%s)", session, url, placed.reason)
+            if waited is not None:
+                route.detail = "; ".join(filter(None, [
+                    f"waited {waited * 1000:.1f} ms for its previous request to end",
+                    route.detail]))
             return self._begin(route, ident, started, path, body)
+
+    def _wait_for_previous(self, url: str, ident: Identity) -> float | None:
+        """The session's next turn, sent while its previous request is only finishing: wait
+        (bounded) for that request's end, so this one is judged with nothing running and
+        keeps the session's slot. None: there was nothing to wait for."""
+        waited = None
+        for where in {url, *self.sessions.running_on(ident.session_id)}:
+            if self.sessions.should_wait(where, ident):
+                waited = (waited or 0.0) + self.sessions.wait_until_ended(
+                    where, ident.session_id, FINISH_WAIT_SECONDS)
+        return waited
 
     def _begin(self, route: Route, ident: Identity, started: float, path: str = "",
                body: dict | None = None) -> Route:
@@ -144,7 +174,8 @@ class Router:
             self.sessions.leave(url, session)
             return route
         route.conversation = self.sessions.remember(url, session, ident)
-        route.on_release(lambda: self.sessions.leave(url, session))
+        route.on_final(lambda: self.sessions.finishing(url, session))
+        route.on_release(lambda: self.sessions.leave(url, session, finishing=route.final_seen))
         self.first_turns.began(route, ident, path, body)
         return route
 

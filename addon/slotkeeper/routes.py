@@ -84,7 +84,24 @@ class Route:
     seed_source: tuple[str, dict] | None = None  # (path, body): a seed may be taken afterwards
     conversation: Conversation | None = None  # what the slot holds for the session afterwards
     placement: str = ""  # pool only: why this server (placement.STAY, CHEAPEST, ...)
+    final_seen: bool = False  # the answer's final event went to the client
+    prefix_from: str = ""  # restored from this session's snapshot, as its prefix (a fork)
     _on_release: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    _on_final: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def final_event(self) -> None:
+        """The answer's final event is on its way to the client (`done: true`, the event with
+        llama-server's timings, `[DONE]`): only bookkeeping is left. Idempotent."""
+        if self.final_seen:
+            return
+        self.final_seen = True
+        callbacks, self._on_final = self._on_final, []
+        for callback in callbacks:
+            callback()
+
+    def on_final(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once, when the answer's final event passes (`final_event`)."""
+        self._on_final.append(callback)
 
     def on_release(self, callback: Callable[[], None]) -> None:
         """Run `callback` once, when the route is released."""
@@ -95,6 +112,7 @@ class Route:
         session's running requests. The one place a request's hold on its slot ends."""
         if self.lease is not None:
             self.lease.release()
+        self._on_final = []  # a final event after the end changes nothing
         callbacks, self._on_release = self._on_release, []
         for callback in callbacks:
             callback()

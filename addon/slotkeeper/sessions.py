@@ -1,10 +1,13 @@
 """What this process remembers about sessions: which conversation each one's slot holds (and
-the forks of a content-identified opening), and how many of its requests are running. Policy
-decides with it; nothing here does I/O except reading the state file's claims."""
+the forks of a content-identified opening, and the chains of the most recent ones), and how
+many of its requests are running, and how many of those already sent their answer's final
+event (finishing). Policy decides with it; nothing here does I/O except reading the state
+file's claims."""
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 from . import policy
@@ -14,6 +17,10 @@ from .routes import MAX_REMEMBERED_SESSIONS, Recent, count_down
 from .state import SlotRecord, StateFile
 
 MAX_FORKS_PER_OPENING = 16
+# Full chains (one hash per message) are kept for the most recent sessions only: they give the
+# longest common prefix (a rebuilt prompt, a title request carrying a chat's transcript). A
+# session whose chain was forgotten is judged by its last hash, as before (issue #19).
+MAX_CHAINS = 512
 
 
 class Sessions:
@@ -30,13 +37,21 @@ class Sessions:
             MAX_REMEMBERED_SESSIONS)
         # content id of an opening -> {session: conversation} of the conversations that opened so
         self.openings: Recent[str, dict[str, Conversation]] = Recent(MAX_REMEMBERED_SESSIONS)
-        # (upstream, session) -> requests of the session running in this process
+        # session -> the chain of its main conversation (bounded: MAX_CHAINS)
+        self.chains: Recent[str, tuple[str, ...]] = Recent(MAX_CHAINS)
+        # (upstream, session) -> the last request of the session placed as a side request by
+        # divergence (not by size): its next turn makes it the main conversation
+        self.sides: Recent[tuple[str, str], Conversation] = Recent(MAX_CHAINS)
+        # (upstream, session) -> requests of the session running in this process, and how many
+        # of them already sent their answer's final event (only bookkeeping left)
         self._running: dict[tuple[str, str], int] = {}
-        self._mutex = threading.Lock()
+        self._finishing: dict[tuple[str, str], int] = {}
+        self._changed = threading.Condition()
 
     def adopt(self, old: Sessions) -> None:
         self.conversations.update(old.conversations)
         self.openings.update(old.openings)
+        self.chains.update(old.chains)
 
     def resolve(self, url: str, ident: Identity) -> Identity:
         """A content-identified request continues the conversation it extends, or forks a
@@ -53,10 +68,28 @@ class Sessions:
                     known[rec.owner] = Conversation(rec.system_key or None, rec.chain_length,
                                                     rec.chain_head, rec.chars)
         known.update(self.openings.get(ident.session_id, {}))
-        session = policy.resolve_content(ident.session_id, ident.chain, known)
-        if session == ident.session_id:
-            return ident
-        return replace(ident, session_id=session)
+        chains = {s: self.chains[s] for s in known if s in self.chains}
+        session = policy.resolve_content(ident.session_id, ident.chain, known, chains)
+        if session not in known:
+            return self._fork(ident, session, chains, known)
+        if policy.extends(ident.chain, known[session]):
+            return ident if session == ident.session_id else replace(ident, session_id=session)
+        return replace(ident, session_id=session, rewrites=True)
+
+    def _fork(self, ident: Identity, session: str, chains: dict[str, tuple[str, ...]],
+              known: dict[str, Conversation]) -> Identity:
+        """A new conversation: it may start from the longest prefix another session holds
+        (its parent: the handover restores the parent's snapshot when that pays)."""
+        parent, shared = "", 0
+        for other, chain in chains.items():
+            n = policy.common_prefix(ident.chain, chain)
+            if n > shared:
+                parent, shared = other, n
+        if shared < policy.MIN_CONTINUED_PREFIX or not ident.chain_chars:
+            return ident if session == ident.session_id else replace(ident, session_id=session)
+        parent_chars = known[parent].chars if parent in known else 0
+        return replace(ident, session_id=session, prefix=policy.Prefix(
+            parent, shared, ident.chain_chars[shared - 1], parent_chars))
 
     def conversation_of(self, url: str, session: str,
                         rec: SlotRecord | None) -> Conversation | None:
@@ -69,17 +102,40 @@ class Sessions:
         return None
 
     def kind(self, url: str, ident: Identity, rec: SlotRecord | None, running: int) -> str:
-        """policy.MAIN, SIDE or MOVE for this request of the session."""
-        return policy.classify(
+        """policy.MAIN, SIDE or MOVE for this request of the session. A side request that is
+        one by divergence (not by size) is remembered: its next turn makes it the main one."""
+        resident = self.conversation_of(url, ident.session_id, rec)
+        key = (url, ident.session_id)
+        # The common prefix is only looked for when the request does not extend the slot's
+        # conversation: a kept turn pays one hash comparison, as before.
+        diverges = resident is not None and not policy.extends(ident.chain, resident)
+        kind = policy.classify(
             chain=ident.chain, system_key=ident.seed_key, prompt_chars=ident.prompt_chars,
-            small_request_chars=self.small_request_chars,
-            resident=self.conversation_of(url, ident.session_id, rec),
-            own_request_running=running > 0)
+            small_request_chars=self.small_request_chars, resident=resident,
+            own_request_running=running > 0, rewrites=ident.rewrites,
+            common_chars=self._common_chars(ident, resident) if diverges else None,
+            last_side=self.sides.get(key) if diverges else None)
+        if kind == policy.SIDE and diverges and ident.prompt_chars >= self.small_request_chars:
+            self.sides[key] = Conversation.of(ident.chain, ident.seed_key, ident.prompt_chars)
+        return kind
+
+    def _common_chars(self, ident: Identity, resident: Conversation | None) -> int | None:
+        """Characters of the chain prefix the request shares with the session's resident
+        conversation, when its chain is remembered (None: unknown)."""
+        chain = self.chains.get(ident.session_id)
+        if resident is None or chain is None or not ident.chain_chars or not chain \
+                or chain[-1] != resident.head:
+            return None
+        n = policy.common_prefix(ident.chain, chain)
+        return ident.chain_chars[n - 1] if n else 0
 
     def remember(self, url: str, session: str, ident: Identity) -> Conversation:
         """The session's main conversation is now this request's."""
         conversation = Conversation.of(ident.chain, ident.seed_key, ident.prompt_chars)
         self.conversations[(url, session)] = conversation
+        self.sides.pop((url, session), None)
+        if ident.chain:
+            self.chains[session] = ident.chain
         if ident.rule == "content" and ident.chain:
             opening = opening_of(session)
             forks = self.openings.get(opening) or {}
@@ -97,18 +153,57 @@ class Sessions:
         a second request that arrives during the first one's handover sees it); returns how
         many were running before."""
         key = (url, session)
-        with self._mutex:
+        with self._changed:
             before = self._running.get(key, 0)
             self._running[key] = before + 1
         return before
 
-    def leave(self, url: str, session: str) -> None:
-        with self._mutex:
-            count_down(self._running, (url, session))
+    def leave(self, url: str, session: str, finishing: bool = False) -> None:
+        """The request ended (`finishing`: it had been counted as finishing)."""
+        key = (url, session)
+        with self._changed:
+            count_down(self._running, key)
+            if finishing:
+                count_down(self._finishing, key)
+            self._changed.notify_all()
+
+    def finishing(self, url: str, session: str) -> None:
+        """A running request of the session sent its answer's final event: only its
+        bookkeeping is left (verification, records, the lease's release)."""
+        with self._changed:
+            self._finishing[(url, session)] = self._finishing.get((url, session), 0) + 1
+            self._changed.notify_all()
+
+    def should_wait(self, url: str, ident: Identity) -> bool:
+        """Is a running request of this session only a turn the client already has? Every one
+        of them sent its final event, or this request holds the running conversation and more
+        (its reply is in it). Then this is the session continuing, not a second request at
+        once: it waits for that request's end instead of going elsewhere (issue #19)."""
+        key = (url, ident.session_id)
+        with self._changed:
+            running = self._running.get(key, 0)
+            finishing = self._finishing.get(key, 0)
+        if running == 0:
+            return False
+        return finishing >= running or policy.strictly_extends(
+            ident.chain, self.conversations.get(key))
+
+    def wait_until_ended(self, url: str, session: str, timeout: float) -> float:
+        """Wait (bounded) until no request of the session runs here; the seconds waited."""
+        key = (url, session)
+        started = time.monotonic()
+        deadline = started + timeout
+        with self._changed:
+            while self._running.get(key, 0) > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+        return time.monotonic() - started
 
     def running_on(self, session: str) -> list[str]:
         """The servers where a request of the session is running in this process."""
-        with self._mutex:
+        with self._changed:
             return [url for (url, running), count in self._running.items()
                     if running == session and count > 0]
 

@@ -1,0 +1,64 @@
+"""The sessions room alone (no server): running counts, the wait for a request that already
+sent its final event (issue #19), forks and rebuilt prompts of content-identified requests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from slotkeeper.identity import identify
+from slotkeeper.sessions import Sessions
+from slotkeeper.state import StateFile
+
+URL = "http://127.0.0.1:1"
+
+
+def sessions(tmp_path) -> Sessions:
+    return Sessions(StateFile(tmp_path / "state.json"), 100, ())
+
+
+def ask(messages: list[dict], headers: dict | None = None):
+    return identify("/v1/chat/completions", headers or {}, {"messages": messages})
+
+
+def test_a_next_turn_waits_for_a_request_that_sent_its_final_event(tmp_path):
+    s = sessions(tmp_path)
+    turn1 = ask([{"role": "system", "content": "s" * 300}, {"role": "user", "content": "q1"}],
+                {"x-session-id": "a"})
+    turn2 = ask([{"role": "system", "content": "s" * 300}, {"role": "user", "content": "q1"},
+                 {"role": "assistant", "content": "r"}, {"role": "user", "content": "q2"}],
+                {"x-session-id": "a"})
+    other = ask([{"role": "user", "content": "unrelated " * 30}], {"x-session-id": "a"})
+    assert s.enter(URL, "a") == 0
+    s.remember(URL, "a", turn1)
+    # Still generating: a request holding the running conversation and more waits (its
+    # client has the answer), an unrelated one does not.
+    assert s.should_wait(URL, turn2) and not s.should_wait(URL, other)
+    s.finishing(URL, "a")
+    assert s.should_wait(URL, other)  # only bookkeeping left: whatever it is, it waits
+    threading.Timer(0.2, s.leave, args=(URL, "a"), kwargs={"finishing": True}).start()
+    started = time.monotonic()
+    waited = s.wait_until_ended(URL, "a", 5.0)
+    assert 0.1 < waited < 2.0 and time.monotonic() - started < 2.0
+    assert not s.should_wait(URL, turn2)
+    # Bounded: a request that never ends is waited for at most the timeout.
+    s.enter(URL, "a")
+    assert s.wait_until_ended(URL, "a", 0.2) < 1.0
+
+
+def test_a_rebuilt_prompt_continues_and_a_new_conversation_forks_from_its_prefix(tmp_path):
+    s = sessions(tmp_path)
+    system = {"role": "system", "content": "x" * 500}
+    examples = [{"role": "user", "content": "ex"}, {"role": "assistant", "content": "exa"}]
+    turn1 = ask([system, *examples, {"role": "user", "content": "file + q1"}])
+    first = s.resolve(URL, turn1)
+    s.remember(URL, first.session_id, first)
+    turn2 = ask([system, *examples, {"role": "user", "content": "q1"},
+                 {"role": "assistant", "content": "a1"}, {"role": "user", "content": "file + q2"}])
+    second = s.resolve(URL, turn2)
+    assert second.session_id == first.session_id and second.rewrites
+    s.remember(URL, second.session_id, second)
+    fork = s.resolve(URL, ask([system, *examples, {"role": "user", "content": "other"}]))
+    assert fork.session_id != first.session_id and not fork.rewrites
+    assert fork.prefix is not None and fork.prefix.session == first.session_id
+    assert fork.prefix.items == 3  # the system block and the example exchange
