@@ -27,6 +27,7 @@ import http.client
 import json
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,10 @@ class FakeLlamaSwap:
         self._swapping = False
         self.events: list[tuple[str, str]] = []  # ("start"|"stop", model), in order
         self._httpd: ThreadingHTTPServer | None = None
+        # Processes are started and stopped from this one long-lived thread: the test bed's
+        # PDEATHSIG kills a child when the THREAD that started it ends, and each request
+        # handler's thread ends with its request.
+        self._manager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-swap")
 
     # ---- lifecycle ----
 
@@ -80,6 +85,7 @@ class FakeLlamaSwap:
             self._httpd.server_close()
             self._httpd = None
         self.unload()
+        self._manager.shutdown()
 
     # ---- what llama-swap's router does ----
 
@@ -108,14 +114,17 @@ class FakeLlamaSwap:
             for victim in victims:
                 self._states[victim] = "stopping"
         try:
-            for victim in victims:
-                self._stop_one(victim)
-            self._start_one(model)
+            self._manager.submit(self._swap, victims, model).result()
         finally:
             with self._cond:
                 self._swapping = False
                 self._cond.notify_all()
         return self.acquire(model)
+
+    def _swap(self, victims: list[str], model: str) -> None:
+        for victim in victims:
+            self._stop_one(victim)
+        self._start_one(model)
 
     def release(self, model: str) -> None:
         with self._cond:
@@ -156,7 +165,7 @@ class FakeLlamaSwap:
         with self._cond:
             targets = [m for m in self._servers if model is None or m == model]
         for target in targets:
-            self._stop_one(target)
+            self._manager.submit(self._stop_one, target).result()
 
 
 # ---- HTTP ----------------------------------------------------------------------------------
