@@ -93,6 +93,8 @@ def test_fake_llama_swap_upstream_paths(make_fake_swap, tmp_path: Path) -> None:
     client = SwapClient(Upstream(swap.url, timeout=30))
     with pytest.raises(SlotsUnavailable):
         client.slots("model-a")  # not running: read nothing, start nothing
+    with pytest.raises(UpstreamError):
+        client.save("model-a", 0, "never.bin")
     assert swap.events == []
     # ignorePaths: a .json path does not start a model
     assert requests.get(swap.url + "/upstream/model-a/x.json", timeout=10).status_code == 409

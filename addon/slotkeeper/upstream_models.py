@@ -224,8 +224,8 @@ class RouterClient:
 
 class SwapClient:
     """llama-swap: one URL, each model's llama-server under `/upstream/<model>/`. Any request
-    there starts the model (and stops the others of its group), so slots are read only for
-    a model `/running` reports ready."""
+    there starts the model (and stops the others of its group), so slots are read, saved
+    or restored only for a model `/running` reports ready."""
 
     def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream
@@ -251,13 +251,23 @@ class SwapClient:
             raise SlotsUnavailable(str(e)) from None
         return parse_slots(data, "GET /upstream/<model>/slots")
 
+    def _slot_action(self, model: str, slot: int, action: str,
+                     body: Mapping[str, Any]) -> dict[str, Any]:
+        """Only on a ready model: the same POST to a stopped one would start it and stop
+        the model that is running."""
+        if not self.ready(model):
+            raise UpstreamError(f"model {model!r} is not running: no {action}")
+        return self.upstream.post_json(f"{self.base(model)}/slots/{int(slot)}?action={action}",
+                                       dict(body))
+
     def save(self, model: str, slot: int, filename: str) -> dict[str, Any]:
-        return self.upstream.post_json(f"{self.base(model)}/slots/{int(slot)}?action=save",
-                                       {"filename": filename})
+        return self._slot_action(model, slot, "save", {"filename": filename})
 
     def restore(self, model: str, slot: int, filename: str) -> dict[str, Any]:
-        return self.upstream.post_json(f"{self.base(model)}/slots/{int(slot)}?action=restore",
-                                       {"filename": filename})
+        return self._slot_action(model, slot, "restore", {"filename": filename})
+
+    def erase(self, model: str, slot: int) -> dict[str, Any]:
+        return self._slot_action(model, slot, "erase", {})
 
     def unload(self, model: str) -> None:
         """`POST /api/models/unload/<model>` (answers "OK" once the process stopped)."""
