@@ -11,7 +11,7 @@ from typing import Any
 
 import requests
 
-from slotkeeper.cli import model_flags
+from slotkeeper.local import model_flags
 from testbed import LlamaServer
 
 MODEL_NAMES = ("model-a", "model-b")

@@ -82,6 +82,8 @@ class Route:
     seed_key: str | None = None
     conversation: Conversation | None = None  # what the slot holds for the session afterwards
     placement: str = ""  # pool only: why this server (placement.STAY, CHEAPEST, ...)
+    model: str = ""  # behind a router or llama-swap (issue #22): the model it runs on
+    swap_saved: str = ""  # the sessions saved before loading that model unloaded another
     _on_release: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def on_release(self, callback: Callable[[], None]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import policy
@@ -46,9 +47,11 @@ class Upstreams:
     """Owns: the UpstreamInfo of every server seen, health verdicts, suspicion and the
     verification of a suspect server. Does not touch: slot leases, snapshots, placement."""
 
-    def __init__(self, state: StateFile, slots_timeout: float) -> None:
+    def __init__(self, state: StateFile, slots_timeout: float,
+                 make_client: Callable[[str, float], Upstream] = Upstream) -> None:
         self.state = state
         self.slots_timeout = slots_timeout
+        self.make_client = make_client  # a model's key gets a client bound to it (models.py)
         self._infos: dict[str, UpstreamInfo] = {}
         self._mutex = threading.Lock()
 
@@ -65,7 +68,7 @@ class Upstreams:
         with self._mutex:
             info = self._infos.get(url)
             if info is None:
-                info = UpstreamInfo(Upstream(url, timeout=self.slots_timeout))
+                info = UpstreamInfo(self.make_client(url, self.slots_timeout))
                 self._infos[url] = info
             return info
 
