@@ -73,6 +73,10 @@ class AnthropicMessages:
         try:
             body = self._read(req)
             chat = anthropic.to_chat_request(body)
+            if isinstance(body.get("model"), str):
+                # A router or llama-swap picks the model's server by it (issue #22); a
+                # single llama-server ignores it.
+                chat["model"] = body["model"]
             encoded = anthropic.encode_json(chat)
         except (BodyError, NotTranslatable) as e:
             log.info("%s %s not translated (%s): llama-server answers it", req.method, req.path, e)
