@@ -123,3 +123,20 @@ def test_an_unload_through_the_proxy_saves_first(make_router, make_proxy,
     third = plain_turn(proxy.url, "a-5", "model-a", a[2])
     assert third.headers["X-Slotkeeper-Action"] == "restored", third.headers
     assert reused_share(third.json()["timings"]) >= 0.9, third.json()["timings"]
+
+
+def test_a_session_survives_a_swap_behind_llama_swap(make_fake_swap, make_proxy,
+                                                     tmp_path: Path) -> None:
+    """The same behind the FAKE llama-swap (real llama-servers, one per model, one at a
+    time; slots under /upstream/<model>/slots)."""
+    slots = tmp_path / "slots"
+    slots.mkdir()  # the fake starts its llama-servers (which make it) on demand
+    swap = make_fake_swap(np=2, ctx=8192, slot_save_path=slots)
+    proxy = make_proxy(swap.url, slotkeeper_slot_dir=str(slots), **OPTIONS)
+    third = run_two_models(proxy.url, seed=7)["third"]
+    assert third.headers["X-Slotkeeper-Action"] == "restored", third.headers
+    assert reused_share(third.json()["timings"]) >= 0.9, third.json()["timings"]
+    assert swap.running() == {"model-a": "ready"}
+    # Each swap stopped the running model once, after slotkeeper saved its sessions.
+    assert swap.events == [("start", "model-a"), ("stop", "model-a"), ("start", "model-b"),
+                           ("stop", "model-b"), ("start", "model-a")], swap.events
