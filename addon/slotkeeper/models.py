@@ -26,6 +26,7 @@ SWAP = "llama-swap"
 SINGLE = "single"  # one llama-server, one model: the base URL is the key
 
 KEY_MARK = "#model="
+DETECT_RETRY_S = 10.0
 
 
 # ---- keys (pure) ---------------------------------------------------------------------------
@@ -194,17 +195,23 @@ class Kinds:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self._kinds: dict[str, str] = {}
+        self._failed: dict[str, float] = {}  # base -> when detection last found no answer
 
     def known(self, base: str) -> str | None:
         return self._kinds.get(base)
 
     def of(self, base: str) -> str | None:
-        """Detected on first use (blocking: worker threads); None while it does not answer."""
+        """Detected on first use (blocking: worker threads); None while it does not answer
+        (asked again after DETECT_RETRY_S, so a server that is down costs no extra wait on
+        every request)."""
         kind = self._kinds.get(base)
-        if kind is None:
-            kind = detect(Upstream(base, timeout=max(self.timeout, 5.0)))
+        if kind is None and time.monotonic() - self._failed.get(base, -DETECT_RETRY_S) >= (
+                DETECT_RETRY_S):
+            kind = detect(Upstream(base, timeout=self.timeout))
             if kind is not None:
                 self._kinds[base] = kind
+            else:
+                self._failed[base] = time.monotonic()
         return kind
 
     def client(self, key: str, timeout: float) -> Upstream:
