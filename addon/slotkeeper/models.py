@@ -132,16 +132,23 @@ class ModelUpstream(Upstream):
         self.wait_status(lambda status: status not in RUNNING_STATES, wait)
 
     def wait_status(self, done: Callable[[str], bool], wait: float) -> None:
+        """Poll the router's `/models` until the model's status is `done` (or it failed);
+        an answer that is late or missing (a loaded machine, the router busy spawning) is
+        asked again until `wait` is over."""
         deadline = time.monotonic() + wait
-        while True:
-            entry = next((m for m in parse_models(super()._get("/models"))
-                          if m.name == self.model), None)
-            if entry is None or done(entry.status) or (entry.failed and not entry.running):
-                return
-            if time.monotonic() > deadline:
-                raise UpstreamError(f"model {self.model!r} still {entry.status} after "
-                                    f"{wait:.0f} s")
+        status = "unknown"
+        while time.monotonic() < deadline:
+            try:
+                models = parse_models(super()._get("/models"))
+            except UpstreamError as e:
+                status = f"unknown ({e})"
+            else:
+                entry = next((m for m in models if m.name == self.model), None)
+                if entry is None or done(entry.status) or (entry.failed and not entry.running):
+                    return
+                status = entry.status
             time.sleep(0.2)
+        raise UpstreamError(f"model {self.model!r} still {status} after {wait:.0f} s")
 
     def _get(self, path: str) -> Any:
         if self.kind == SWAP:
