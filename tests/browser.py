@@ -32,9 +32,11 @@ def chromium_binary() -> Path | None:
 class Browser:
     """One Chromium process with one page."""
 
-    def __init__(self, binary: Path, profile: Path, width: int = 1280, height: int = 800) -> None:
+    def __init__(self, binary: Path, profile: Path, width: int = 1280, height: int = 800,
+                 extra_flags: tuple[str, ...] = ()) -> None:
         self.binary = binary
         self.profile = profile
+        self.extra_flags = extra_flags  # e.g. --host-resolver-rules for a rebinding name
         self.size = (width, height)
         self.proc: subprocess.Popen[bytes] | None = None
         self.next_id = 0
@@ -59,7 +61,7 @@ class Browser:
         self.profile.mkdir(parents=True, exist_ok=True)
         self.log = (self.profile / "chromium.log").open("wb")
         self.proc = subprocess.Popen(
-            [str(self.binary), *FLAGS, f"--user-data-dir={self.profile}",
+            [str(self.binary), *FLAGS, *self.extra_flags, f"--user-data-dir={self.profile}",
              f"--window-size={self.size[0]},{self.size[1]}", "about:blank"],
             stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
             preexec_fn=setup, pass_fds=(child_in, child_out))  # kept open after setup()

@@ -28,6 +28,7 @@ class Fault:
     delay: float = 0.0
     count: int | None = None
     hits: int = 0
+    query: str | None = None  # only requests whose query string contains this (action=save)
 
 
 @dataclass
@@ -58,9 +59,9 @@ class FakeFaultyLlama:
             def _handle(self) -> None:
                 length = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(length) if length else b""
-                route = self.path.split("?", 1)[0]
+                route, _, query = self.path.partition("?")
                 fake.seen.append(f"{self.command} {route}")
-                fault = fake.fault_for(self.command, route)
+                fault = fake.fault_for(self.command, route, query)
                 if fault is not None:
                     if fault.delay:
                         time.sleep(fault.delay)
@@ -105,9 +106,11 @@ class FakeFaultyLlama:
                          name="fake-faulty-llama").start()
         return self
 
-    def fault_for(self, method: str, route: str) -> Fault | None:
+    def fault_for(self, method: str, route: str, query: str = "") -> Fault | None:
         for key, fault in self.faults.items():
             key_method, _, key_route = key.partition(" ")
+            if fault.query is not None and fault.query not in query:
+                continue
             if key_method == method and (route == key_route or (
                     key_route.endswith("/") and route.startswith(key_route))):
                 if fault.count is not None and fault.hits >= fault.count:

@@ -37,6 +37,7 @@ AREAS = (
     "concurrency",
     "hostile input",
     "management access",
+    "attacks",
     "properties",
 )
 

@@ -14,8 +14,9 @@ from mitmproxy import http
 from mitmproxy.test import tflow
 
 from slotkeeper import anthropic
-from slotkeeper.anthropic import (NotTranslatable, StreamTranslator, error_from_chat,
-                                  message_from_chat, normalize_billing_header, to_chat_request)
+from slotkeeper.anthropic import (NotTranslatable, error_from_chat, normalize_billing_header,
+                                  to_chat_request)
+from slotkeeper.anthropic_answers import StreamTranslator, message_from_chat
 from slotkeeper.identity import identify
 from slotkeeper.messages import ORIGINAL_PATH_KEY, AnthropicMessages, MessagesTranslation
 from slotkeeper.translation import TRANSLATION_KEY, translation_of
@@ -67,7 +68,6 @@ def test_content_blocks_map_like_the_servers_converter():
                                          "data": "AAAA"}},
             {"type": "image", "source": {"type": "base64", "data": "BBBB"}},
             {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}},
-            {"type": "image", "source": {"type": "file", "file_id": "f"}},
         ]},
         {"role": "assistant", "content": [
             {"type": "thinking", "thinking": "hmm ", "signature": "sig"},
@@ -147,7 +147,9 @@ def test_tools_choice_limits_and_sampling_fields():
         "tool_choice"] == "auto"
     assert to_chat_request({"messages": [], "tool_choice": {"type": "tool", "name": "R"}})[
         "tool_choice"] == "required"
-    assert "tool_choice" not in to_chat_request({"messages": [], "tool_choice": {"type": "none"}})
+    # "none" is kept (issue #20.8: it was dropped, so the model could still call tools).
+    assert to_chat_request({"messages": [], "tool_choice": {"type": "none"}})[
+        "tool_choice"] == "none"
     assert to_chat_request({"messages": [], "thinking": {"type": "enabled"}})[
         "thinking_budget_tokens"] == 10000
     assert "thinking_budget_tokens" not in to_chat_request(
@@ -328,7 +330,8 @@ def parse_anthropic_sse(raw: bytes) -> list[tuple[str, dict]]:
 def test_stream_events_are_the_servers_anthropic_events():
     out = StreamTranslator()(STREAM)
     events = parse_anthropic_sse(out)
-    assert out.count(b":\n\n") >= 1
+    # llama-server's keep-alive comment is the API's `ping` event (issue #20.10).
+    assert b"\n:" not in out and not out.startswith(b":")
     start = events[0][1]["message"]
     assert start["usage"] == {"cache_read_input_tokens": 30, "input_tokens": 12,
                               "output_tokens": 0}
@@ -341,11 +344,14 @@ def test_stream_events_are_the_servers_anthropic_events():
         ("content_block_delta", 0, {"type": "thinking_delta", "thinking": "think. é"}),
         ("content_block_start", 1, {"type": "text", "text": ""}),
         ("content_block_delta", 1, {"type": "text_delta", "text": "Listing"}),
+        ("ping", None, None),
         ("content_block_delta", 1, {"type": "text_delta", "text": " files."}),
-        ("content_block_start", 2, {"type": "tool_use", "id": "call_a", "name": "Bash"}),
+        ("content_block_start", 2, {"type": "tool_use", "id": "call_a", "name": "Bash",
+                                    "input": {}}),
         ("content_block_delta", 2, {"type": "input_json_delta", "partial_json": '{"command":'}),
         ("content_block_delta", 2, {"type": "input_json_delta", "partial_json": '"ls"}'}),
-        ("content_block_start", 3, {"type": "tool_use", "id": "call_b", "name": "Read"}),
+        ("content_block_start", 3, {"type": "tool_use", "id": "call_b", "name": "Read",
+                                    "input": {}}),
         ("content_block_delta", 3, {"type": "input_json_delta", "partial_json": "{}"}),
         ("content_block_delta", 0, {"type": "signature_delta", "signature": ""}),
         ("content_block_stop", 0, None),
@@ -509,3 +515,126 @@ def test_translation_can_be_switched_off():
     flow = post("/v1/messages", {"messages": []})
     surface.request(flow)
     assert flow.request.path == "/v1/messages"
+
+
+# ---- issue #20: what the Messages API documents -----------------------------------------------
+
+TOOLS = [{"name": "Read", "input_schema": {"type": "object"}},
+         {"name": "Bash", "input_schema": {"type": "object"}}]
+
+
+def test_tool_choice_names_none_and_parallel_as_the_api_means_them():
+    """#20.8: a named tool is the only one the model may call; none and
+    disable_parallel_tool_use reach the server."""
+    named = to_chat_request({"messages": [], "tools": TOOLS,
+                             "tool_choice": {"type": "tool", "name": "Bash",
+                                             "disable_parallel_tool_use": True}})
+    assert named["tool_choice"] == "required"
+    assert [t["function"]["name"] for t in named["tools"]] == ["Bash"]
+    assert named["parallel_tool_calls"] is False
+    none = to_chat_request({"messages": [], "tools": TOOLS, "tool_choice": {"type": "none"}})
+    assert none["tool_choice"] == "none" and len(none["tools"]) == 2
+    with pytest.raises(NotTranslatable):
+        to_chat_request({"messages": [], "tools": TOOLS,
+                         "tool_choice": {"type": "tool", "name": "Write"}})
+
+
+def test_a_stop_sequence_is_named_in_the_answer():
+    """#20.9: stop_reason "stop_sequence" and the sequence, streamed and not; the request asks
+    the server for its `__verbose` copy, which names the stopping word."""
+    assert to_chat_request({"messages": [], "stop_sequences": ["END"]})["verbose"] is True
+    assert "verbose" not in to_chat_request({"messages": []})
+    whole = {"id": "c", "model": "m", "choices": [{"finish_reason": "stop", "message": {
+        "role": "assistant", "content": "one two"}}], "usage": {},
+        "__verbose": {"stop_type": "word", "stopping_word": "END"}}
+    answer = message_from_chat(whole)
+    assert (answer["stop_reason"], answer["stop_sequence"]) == ("stop_sequence", "END")
+    eos = dict(whole, __verbose={"stop_type": "eos", "stopping_word": ""})
+    assert (message_from_chat(eos)["stop_reason"], message_from_chat(eos)["stop_sequence"]) == (
+        "end_turn", None)
+    final = chunk({"content": "two"})
+    final["__verbose"] = {"stop_type": "word", "stopping_word": "END"}
+    stream = b"".join([sse(chunk({"content": "one"}, timings=FIRST_TIMINGS)), sse(final),
+                       sse(chunk({}, "stop", {"predicted_n": 2})), b"data: [DONE]\n\n"])
+    events = parse_anthropic_sse(StreamTranslator()(stream))
+    delta = [data for name, data in events if name == "message_delta"][0]["delta"]
+    assert delta == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+
+
+def test_message_start_goes_out_when_the_slot_takes_the_prompt():
+    """#20.10: with return_progress the server sends a progress event before the prefill:
+    message_start comes then, with the prompt's counts; later progress events are pings."""
+    assert to_chat_request({"messages": [], "stream": True})["return_progress"] is True
+    translate = StreamTranslator()
+    progress = chunk({"role": "assistant", "content": None})
+    progress["prompt_progress"] = {"total": 500, "cache": 480, "processed": 480,
+                                   "time_ms": 1}
+    first = parse_anthropic_sse(translate(sse(progress)))
+    assert [name for name, _ in first] == ["message_start"]
+    assert first[0][1]["message"]["usage"] == {"cache_read_input_tokens": 480,
+                                               "input_tokens": 20, "output_tokens": 0}
+    assert parse_anthropic_sse(translate(sse(progress))) == [("ping", {"type": "ping"})]
+    rest = parse_anthropic_sse(translate(sse(chunk({"content": "hi"}, timings=FIRST_TIMINGS))
+                                         + sse(chunk({}, "stop", {"predicted_n": 1}))))
+    assert [name for name, _ in rest] == ["content_block_start", "content_block_delta",
+                                          "content_block_stop", "message_delta", "message_stop"]
+
+
+def test_documents_files_and_tool_errors_are_passed_or_refused():
+    """#20.11: a text document reaches the model, a PDF or a Files API source is refused with
+    the API's error, is_error is said to the model."""
+    text_doc = {"type": "document", "title": "Notes",
+                "source": {"type": "text", "media_type": "text/plain", "data": "buy milk"}}
+    content_doc = {"type": "document", "source": {"type": "content", "content": [
+        {"type": "text", "text": "part one"}]}}
+    out = to_chat_request({"messages": [{"role": "user", "content": [
+        text_doc, content_doc, {"type": "text", "text": "summarise"}]}]})["messages"]
+    assert out[0]["content"][0] == {"type": "text", "text": "Notes\n\nbuy milk"}
+    assert out[0]["content"][1] == {"type": "text", "text": "part one"}
+    for block in ({"type": "document", "source": {"type": "base64",
+                                                   "media_type": "application/pdf",
+                                                   "data": "JVBERi0="}},
+                  {"type": "document", "source": {"type": "file", "file_id": "file_1"}},
+                  {"type": "image", "source": {"type": "file", "file_id": "file_2"}}):
+        with pytest.raises(anthropic.Unsupported):
+            to_chat_request({"messages": [{"role": "user", "content": [block]}]})
+    results = to_chat_request({"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "is_error": True,
+         "content": "no such file"}]}]})["messages"]
+    assert results == [{"role": "tool", "tool_call_id": "t1", "content": "Error: no such file"}]
+
+
+@pytest.mark.parametrize(("body", "limit", "status", "kind"), [
+    ({"messages": [{"role": "user", "content": "x" * 100}]}, 50, 413, "request_too_large"),
+    (b"[" * 5000 + b"]" * 5000, 1024 * 1024, 400, "invalid_request_error"),
+    (b"{not json", 1024 * 1024, 400, "invalid_request_error"),
+    ({"system": "no messages"}, 1024 * 1024, 400, "invalid_request_error"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                        "data": "JVBERi0="}}]}]},
+     1024 * 1024, 400, "invalid_request_error"),
+])
+def test_every_refusal_has_anthropics_error_shape(body, limit, status, kind):
+    """#20.12 (and #20.11's refusals): answered on /v1/messages in the API's error shape."""
+    keeper = _Keeper()
+    keeper.max_body_bytes = limit
+    flow = post("/v1/messages", body)
+    AnthropicMessages(keeper).request(flow)
+    assert flow.response.status_code == status
+    answer = json.loads(flow.response.content)
+    assert answer["type"] == "error" and answer["error"]["type"] == kind
+    assert answer["error"]["message"]
+
+
+def test_slotkeepers_own_errors_on_the_route_become_anthropic_errors():
+    """An error SlotKeeper answers after the translation was set (503: no server) goes
+    through MessagesTranslation.whole like llama-server's own."""
+    from slotkeeper import replies
+    flow = post("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]})
+    AnthropicMessages(_Keeper()).request(flow)
+    flow.response = replies.error_reply(503, "no llama-server can take the request")
+    translation_of(flow).whole(flow.response)
+    answer = json.loads(flow.response.content)
+    assert answer == {"type": "error", "error": {"type": "overloaded_error",
+                                                 "message": "no llama-server can take the "
+                                                            "request"}}

@@ -533,6 +533,8 @@ while True:
         up.slots[n % 8] = SlotRecord(owner=f"s{n}", claimed=n, last_used=n, tokens=n)
         up.fingerprint = "x" * (n % 5000)  # documents of varying size
     state.update(change)
+    if n == 1:  # the parent times its kill from here, not from a start slowed by imports
+        print("writing", flush=True)
 """
 
 
@@ -543,8 +545,12 @@ def test_proxy_killed_during_state_writes(tmp_path, reliability):
     rng = random.Random(7)
     kills = 25
     for _ in range(kills):
-        proc = subprocess.Popen([sys.executable, "-c", STATE_HAMMER, str(path)])
-        time.sleep(0.2 + rng.random() * 0.3)
+        proc = subprocess.Popen([sys.executable, "-c", STATE_HAMMER, str(path)],
+                                stdout=subprocess.PIPE, text=True)
+        # Killed mid-writing, not mid-import: on a loaded machine the import alone took longer
+        # than the old fixed delay, so no write had happened yet and the file was missing.
+        assert proc.stdout is not None and proc.stdout.readline() == "writing\n"
+        time.sleep(rng.random() * 0.3)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         doc = json.loads(path.read_text())  # never half a file

@@ -116,8 +116,10 @@ def test_without_a_token_only_loopback_clients_are_answered(reliability):
 
 def test_with_a_token_changes_need_it_and_so_do_remote_reads(reliability):
     token = "s3cret-Token_123"
-    assert status(flow("GET", "127.0.0.1"), token) == 0
-    assert status(flow("HEAD", "::1"), token) == 0
+    # Loopback reads need it too (issue #21): any local process or web page could read them.
+    assert status(flow("GET", "127.0.0.1"), token) == 401
+    assert status(flow("HEAD", "::1"), token) == 401
+    assert status(flow("GET", "127.0.0.1", f"Bearer {token}"), token) == 0
     assert status(flow("GET", "192.0.2.2"), token) == 401
     assert status(flow("GET", "192.0.2.2", "Bearer wrong"), token) == 401
     assert status(flow("GET", "192.0.2.2", f"Bearer {token}"), token) == 0
@@ -138,10 +140,9 @@ def test_with_a_token_changes_need_it_and_so_do_remote_reads(reliability):
     assert token not in f.request.headers["Authorization"]  # mitmweb never shows it
     reliability.row("slotkeeper_api_token set: POST/DELETE/PUT/PATCH without the token, with a "
                     "wrong one, a prefix of it, another scheme, or undecodable bytes",
-                    outcome="401 with WWW-Authenticate: Bearer, loopback clients included; "
-                            "GET/HEAD answered for loopback clients, 401 for others without "
-                            "the token; the token is redacted from "
-                            "the flow", area="management access")
+                    outcome="401 with WWW-Authenticate: Bearer, loopback clients included, "
+                            "reads (GET/HEAD) included; the token is redacted from the flow",
+                    area="management access")
 
 
 # ---- files the proxy creates ----------------------------------------------------------------
@@ -178,16 +179,43 @@ def test_hostile_state_documents_are_rebuilt_not_raised(tmp_path, reliability):
                b'{"version": 1, "upstreams": {"u": {"slots": {"0": {"owner": "a", '
                b'"claimed": ' + b"9" * 5000 + b', "last_used": 1}}}}}',
                b'{"version": 1, "upstreams": []}', "{\"version\": 1}".encode("utf-16")]
+    # Numbers a float cannot hold, or JSON's non-numbers, in every numeric field (issue #21,
+    # item 8: int(inf) raised OverflowError past the rebuild).
+    for field in ("claimed", "last_used", "tokens", "saved_tokens", "messages", "chain_length",
+                  "chars"):
+        for number in (b"Infinity", b"-Infinity", b"NaN", b"1e999", b"-1e999"):
+            record = {"owner": "a", "claimed": 1, "last_used": 1, field: "NUMBER"}
+            raw = json.dumps({"version": 1, "upstreams": {"u": {"slots": {"0": record}}}})
+            hostile.append(raw.replace('"NUMBER"', number.decode()).encode())
     for raw in hostile:
         path.write_bytes(raw)
         assert state.read().upstreams == {}
         state.update(lambda doc: None)  # rewrites it whole
         assert json.loads(path.read_text())["version"] == 1
     reliability.row("state file replaced by garbage, NULs, unclosed or 5,000-deep JSON, wrong "
-                    "types, a 5,000-digit number, UTF-16",
+                    "types, a 5,000-digit number, Infinity, NaN or 1e999 in any numeric field, "
+                    "UTF-16",
                     outcome="read as empty (the ownership records are lost, the slot files are "
                             "not) and rewritten whole by the next change; never an exception",
                     lost="who owned which slot: sessions are restored from their files",
+                    area="slot folder and files")
+
+
+def test_state_writes_sync_the_folder_after_the_rename(tmp_path, monkeypatch, reliability):
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    state = StateFile(tmp_path / "state.json")
+    state.update(lambda doc: doc.upstream("u"))
+    assert synced == ["file", "folder"]  # the data, then the rename's directory entry
+    reliability.row("power cut right after a state write's rename",
+                    outcome="the file is fsynced before the rename and its folder after it, so "
+                            "the new document survives (not the old one, or none)",
                     area="slot folder and files")
 
 
@@ -263,3 +291,24 @@ def test_old_saving_files_are_swept_young_ones_kept(tmp_path):
     os.utime(tmp_path / old, (time.time() - 3600, time.time() - 3600))
     assert folder.sweep_orphans() == 1
     assert not (tmp_path / old).exists() and (tmp_path / young).exists()
+
+
+def test_mitmproxys_body_limit_follows_slotkeepers():
+    from mitmproxy.addons import proxyserver
+    from mitmproxy.test import taddons
+
+    from slotkeeper.guard import BodyLimit
+
+    class MaxBody:  # declares the option as SlotKeeper does, without its files
+        def load(self, loader):
+            loader.add_option("slotkeeper_max_body_mb", int, 32, "")
+
+    limit = BodyLimit()
+    with taddons.context(proxyserver.Proxyserver(), MaxBody(), limit) as tctx:
+        tctx.configure(limit)
+        assert tctx.options.body_size_limit == "33m"
+        tctx.options.update(slotkeeper_max_body_mb=1)
+        assert tctx.options.body_size_limit == "2m"
+        tctx.options.update(body_size_limit="500m")  # the user's own: left alone
+        tctx.options.update(slotkeeper_max_body_mb=4)
+        assert tctx.options.body_size_limit == "500m"

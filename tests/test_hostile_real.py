@@ -214,9 +214,11 @@ MALFORMED = [
     ("id_slot 1.5", CHAT, json.dumps(chat_body(id_slot=1.5)).encode(), 400, "slotkeeper"),
     ("id_slot true", CHAT, json.dumps(chat_body(id_slot=True)).encode(), 400, "slotkeeper"),
     ("id_slot []", CHAT, json.dumps(chat_body(id_slot=[])).encode(), 400, "slotkeeper"),
-    ("id_slot 99 (no such slot)", CHAT, json.dumps(chat_body(id_slot=99)).encode(), 200,
-     "llama-server"),
-    ("id_slot 2**40", CHAT, json.dumps(chat_body(id_slot=2**40)).encode(), 200, "llama-server"),
+    # Out of range (issue #21, item 5): llama-server ignored them (200), but each value made
+    # a lock file and an entry in the proxy's memory.
+    ("id_slot 99 (no such slot)", CHAT, json.dumps(chat_body(id_slot=99)).encode(), 400,
+     "slotkeeper"),
+    ("id_slot 2**40", CHAT, json.dumps(chat_body(id_slot=2**40)).encode(), 400, "slotkeeper"),
     ("cache_prompt \"yes\"", CHAT, json.dumps(chat_body(cache_prompt="yes")).encode(), 400,
      "slotkeeper"),
     ("cache_prompt null (taken as unset)", CHAT,
@@ -272,8 +274,29 @@ def test_malformed_bodies_get_a_clear_answer(proxy, llama, reliability):
             outcome=("400 from slotkeeper with a JSON error saying which field is wrong (never "
                      "forwarded)" if who == "slotkeeper" else
                      "passed through unchanged; llama-server's own JSON error (400/500), or "
-                     "200 where it ignores the value (id_slot out of range)")
+                     "200 where it ignores the value (cache_prompt null)")
             + "; no traceback, both processes alive")
+
+
+def test_out_of_range_id_slot_gets_400_and_leaves_no_file(proxy, llama, reliability):
+    watch = LogWatch(proxy, llama)
+    locks = proxy.state_file.parent / "locks"
+    before = files_under(locks)
+    for value in (1_000_000, -7, 2**62, llama.np, -2):
+        status, _, answer = post(proxy.port, json.dumps(chat_body(id_slot=value)).encode())
+        assert status == 400, (value, status, answer[:300])
+        message = json_error(answer)
+        assert f"id_slot {value}" in message and f"0-{llama.np - 1}" in message, message
+    assert files_under(locks) == before  # no lock file per bad value
+    # In range: still the client's choice, on that slot.
+    r = requests.post(proxy.url + CHAT, json=chat_body(id_slot=llama.np - 1), timeout=120)
+    assert r.status_code == 200 and r.headers["X-Slotkeeper-Slot"] == str(llama.np - 1)
+    assert r.headers["X-Slotkeeper-Action"] == "client"
+    assert not watch.problems(), watch.problems()
+    reliability.row("client id_slot 1000000, -7, 2**62, -2, and the slot count itself",
+                    outcome="400 from slotkeeper naming the valid range (0-N-1, or -1 for "
+                            "any); no lock file or memory entry per value; in-range ids "
+                            "still pin the request", area="attacks")
 
 
 def test_deep_json_to_any_route_cannot_crash_llama_server(proxy, llama, reliability):
@@ -316,6 +339,65 @@ def test_oversized_bodies_and_bombs_get_413(proxy, llama, reliability):
     reliability.row("; ".join(c for c, *_ in cases),
                     outcome="413 with a JSON error naming slotkeeper_max_body_mb, within a "
                             "second; never forwarded")
+
+
+def peak_rss_kb(pid: int) -> int:
+    """The process's peak resident memory so far (VmHWM): a body buffered and freed again
+    still shows in it."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM in /proc status")
+
+
+def send_huge(port: int, total: int, chunked_framing: bool) -> int:
+    """POST `total` bytes of JSON-looking text without holding them in this process; the
+    answer's status (0 when the proxy closed the connection without one)."""
+    head = f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += ("Transfer-Encoding: chunked\r\n" if chunked_framing
+             else f"Content-Length: {total}\r\n")
+    piece = b'{"messages": [], "x": "' + b"x" * (1024 * 1024 - 23)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head.encode() + b"\r\n")
+        try:
+            for sent in range(0, total, len(piece)):
+                data = piece[:total - sent]
+                sock.sendall(b"%x\r\n%s\r\n" % (len(data), data) if chunked_framing else data)
+            if chunked_framing:
+                sock.sendall(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            # Refused while we were still sending (what should happen): the proxy answered
+            # and stopped reading, so our send either fails or blocks.
+            pass
+        response = http.client.HTTPResponse(sock)
+        try:
+            response.begin()
+        except (http.client.RemoteDisconnected, OSError):
+            return 0
+        return response.status
+
+
+def test_a_200_mb_body_is_refused_without_being_buffered(proxy, llama, reliability):
+    pid = proxy.proc.pid
+    outcomes = []
+    for chunked_framing in (False, True):
+        before = peak_rss_kb(pid)
+        started = time.monotonic()
+        status = send_huge(proxy.port, 200 * 1024 * 1024, chunked_framing)
+        grew_mb = (peak_rss_kb(pid) - before) / 1024
+        assert status in (0, 413), status
+        assert grew_mb < 8, f"peak RSS grew {grew_mb:.0f} MB for a 200 MB body"
+        outcomes.append(f"{'chunked' if chunked_framing else 'Content-Length'}: "
+                        f"{status or 'closed'}, peak RSS +{grew_mb:.1f} MB, "
+                        f"{time.monotonic() - started:.1f} s")
+        assert proxy.alive
+    # Still serving.
+    assert requests.post(proxy.url + CHAT, json=chat_body(), timeout=120).status_code == 200
+    reliability.row("200 MB request body (slotkeeper_max_body_mb=1), with Content-Length and "
+                    "chunked",
+                    outcome="refused by mitmproxy's body_size_limit (set from "
+                            "slotkeeper_max_body_mb + 1 MiB) as it arrives, never buffered "
+                            "whole: " + "; ".join(outcomes), area="attacks")
 
 
 def test_chunked_gzip_and_expect_continue_bodies_are_pinned(proxy, llama, reliability):
@@ -435,8 +517,9 @@ def test_management_endpoints_answer_loopback_only_unless_a_token_is_set(
     r = requests.get(remote + "/api/sessions/current", timeout=30)
     assert r.status_code == 403 and "slotkeeper_api_token" in r.json()["error"]["message"]
     assert requests.get(remote + "/metrics", timeout=30).status_code == 403
-    assert requests.post(remote + "/api/sessions/clear", timeout=30).status_code == 403
-    assert requests.post(proxy.url + "/api/sessions/clear", timeout=30).status_code == 200
+    assert requests.post(remote + "/api/sessions/clear", json={}, timeout=30).status_code == 403
+    assert requests.post(proxy.url + "/api/sessions/clear", json={},
+                         timeout=30).status_code == 200
     # Completions are not management calls: every client is served as before.
     r = requests.post(remote + CHAT, json=chat_body(), timeout=120)
     assert r.status_code == 200 and "X-Slotkeeper-Slot" in r.headers
@@ -445,19 +528,20 @@ def test_management_endpoints_answer_loopback_only_unless_a_token_is_set(
     token = "test-token-" + os.urandom(8).hex()
     proxy = make_proxy(llama, listen_host="0.0.0.0", slotkeeper_api_token=token)
     remote = f"http://{address}:{proxy.port}"
-    assert requests.get(proxy.url + "/api/sessions/current", timeout=30).status_code == 200
+    # Every call needs the token, loopback reads included (issue #21).
+    assert requests.get(proxy.url + "/api/sessions/current", timeout=30).status_code == 401
     assert requests.get(remote + "/api/sessions/current", timeout=30).status_code == 401
     assert requests.get(remote + "/api/sessions/current", timeout=30,
                         headers={"Authorization": f"Bearer {token}"}).status_code == 200
     assert requests.get(remote + "/metrics", timeout=30).status_code == 401
     for url in (remote, proxy.url):
-        r = requests.post(url + "/api/sessions/clear", timeout=30)
+        r = requests.post(url + "/api/sessions/clear", json={}, timeout=30)
         assert r.status_code == 401 and r.headers["WWW-Authenticate"].startswith("Bearer")
         r = requests.delete(url + "/api/sessions/nobody", timeout=30,
                             headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
         auth = {"Authorization": f"Bearer {token}"}
-        assert requests.post(url + "/api/sessions/clear", headers=auth,
+        assert requests.post(url + "/api/sessions/clear", headers=auth, json={},
                              timeout=30).status_code == 200
         assert requests.delete(url + "/api/sessions/nobody", headers=auth,
                                timeout=30).status_code == 404
@@ -467,8 +551,7 @@ def test_management_endpoints_answer_loopback_only_unless_a_token_is_set(
     reliability.row(f"/api/sessions from a non-loopback address ({address}) and from "
                     f"127.0.0.1, without and with slotkeeper_api_token",
                     outcome="no token: 403 for the other address, 200 for loopback; token: "
-                            "reads 200 for loopback, 401 for the other address unless it "
-                            "sends the token; POST/DELETE 401 without or with a wrong "
-                            "token, 200/404 with it; completions served to both; the token "
+                            "every call 401 without it or with a wrong one, loopback reads "
+                            "included, 200/404 with it; completions served to both; the token "
                             "never appears in the log",
                     area="management access")

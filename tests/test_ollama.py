@@ -4,18 +4,21 @@ answers back, without any server. The real-server tests are in test_ollama_real.
 from __future__ import annotations
 
 import json
+import struct
+import time
 
 import pytest
 
-from slotkeeper import ollama
-from slotkeeper.ollama import (CHAT, GENERATE_CHAT, GENERATE_INFILL, GENERATE_RAW,
-                               AnswerShaper, OllamaError, StreamTranslator)
+from slotkeeper import ollama, ollama_models, ollama_requests
+from slotkeeper.ollama import CHAT, GENERATE_CHAT, GENERATE_INFILL, GENERATE_RAW, OllamaError
+from slotkeeper.ollama_answers import AnswerShaper, StreamTranslator
+from slotkeeper.ollama_models import ModelFiles
 
 PNG_B64 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 
 
 def test_chat_maps_options_format_think_and_images():
-    mapped = ollama.chat_request({
+    mapped = ollama_requests.chat_request({
         "model": "gemma:latest",
         "messages": [{"role": "system", "content": "S"},
                      {"role": "user", "content": "look", "images": [PNG_B64]}],
@@ -42,21 +45,21 @@ def test_chat_maps_options_format_think_and_images():
 
 
 def test_chat_streams_by_default_and_json_format():
-    mapped = ollama.chat_request({"model": "m", "messages": [], "format": "json"})
+    mapped = ollama_requests.chat_request({"model": "m", "messages": [], "format": "json"})
     assert mapped.stream and mapped.body["stream"] is True
     assert mapped.body["response_format"] == {"type": "json_object"}
 
 
 def test_num_predict_negative_means_no_limit():
     for n in (-1, -2):
-        fields, _ = ollama.map_options({"num_predict": n}, "max_tokens")
+        fields, _ = ollama_requests.map_options({"num_predict": n}, "max_tokens")
         assert "max_tokens" not in fields
     with pytest.raises(OllamaError):
-        ollama.map_options({"num_predict": -3}, "max_tokens")
+        ollama_requests.map_options({"num_predict": -3}, "max_tokens")
 
 
 def test_tool_history_is_converted_both_ways():
-    mapped = ollama.chat_request({"model": "m", "messages": [
+    mapped = ollama_requests.chat_request({"model": "m", "messages": [
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": "", "tool_calls": [
             {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
@@ -85,19 +88,19 @@ def test_tool_history_is_converted_both_ways():
 ])
 def test_bad_chat_requests_are_clear_400s(body, message):
     with pytest.raises(OllamaError) as e:
-        ollama.chat_request(body)
+        ollama_requests.chat_request(body)
     assert e.value.status == 400 and message in e.value.message
 
 
 def test_session_fields_of_the_body_are_passed_on_for_identity():
-    chat = ollama.chat_request({"model": "m", "messages": [], "chat_id": "c-1", "user": 5})
+    chat = ollama_requests.chat_request({"model": "m", "messages": [], "chat_id": "c-1", "user": 5})
     assert chat.body["chat_id"] == "c-1" and "user" not in chat.body
-    gen = ollama.generate_request({"model": "m", "prompt": "x", "session_id": "s-1"})
+    gen = ollama_requests.generate_request({"model": "m", "prompt": "x", "session_id": "s-1"})
     assert gen.body["session_id"] == "s-1"
 
 
 def test_generate_plain_goes_to_chat_with_system():
-    mapped = ollama.generate_request({"model": "m", "prompt": "hi", "system": "S",
+    mapped = ollama_requests.generate_request({"model": "m", "prompt": "hi", "system": "S",
                                       "stream": False})
     assert mapped.path == "/v1/chat/completions" and mapped.kind == GENERATE_CHAT
     assert [m["role"] for m in mapped.body["messages"]] == ["system", "user"]
@@ -111,32 +114,32 @@ def test_generate_raw_and_context_send_tokens_to_completion():
         calls.append((text, special))
         return [7, 8]
 
-    raw = ollama.generate_request({"model": "m", "prompt": "<x>", "raw": True,
+    raw = ollama_requests.generate_request({"model": "m", "prompt": "<x>", "raw": True,
                                    "options": {"num_predict": 4}}, tokens)
     assert raw.path == "/completion" and raw.kind == GENERATE_RAW
     assert raw.body["prompt"] == [7, 8] and raw.body["n_predict"] == 4
     assert raw.body["return_tokens"] is True
-    cont = ollama.generate_request({"model": "m", "prompt": "more", "context": [1, 2, 3]},
+    cont = ollama_requests.generate_request({"model": "m", "prompt": "more", "context": [1, 2, 3]},
                                    tokens)
     assert cont.body["prompt"] == [1, 2, 3, 7, 8] and cont.context == [1, 2, 3, 7, 8]
     assert calls == [("<x>", True), ("more", False)]  # no second BOS after a context
     with pytest.raises(OllamaError):
-        ollama.generate_request({"model": "m", "prompt": "x", "context": [1, "a"]}, tokens)
+        ollama_requests.generate_request({"model": "m", "prompt": "x", "context": [1, "a"]}, tokens)
 
 
 def test_generate_suffix_goes_to_infill():
-    mapped = ollama.generate_request({"model": "m", "prompt": "def f(", "suffix": "return 1"})
+    mapped = ollama_requests.generate_request({"model": "m", "prompt": "def f(", "suffix": "return 1"})
     assert mapped.path == "/infill" and mapped.kind == GENERATE_INFILL
     assert mapped.body["input_prefix"] == "def f(" and mapped.body["input_suffix"] == "return 1"
 
 
 def test_unload_and_load_are_answered_without_the_server():
     body = {"model": "m:latest", "keep_alive": 0, "prompt": ""}
-    assert ollama.is_load_or_unload(body, "/api/generate")
-    assert ollama.load_answer(body, "/api/generate")["done_reason"] == "unload"
-    assert ollama.load_answer({"model": "m"}, "/api/chat")["done_reason"] == "load"
-    assert not ollama.is_load_or_unload({"model": "m", "prompt": "hi"}, "/api/generate")
-    assert ollama.is_load_or_unload({"model": "m", "messages": []}, "/api/chat")
+    assert ollama_requests.is_load_or_unload(body, "/api/generate")
+    assert ollama_requests.load_answer(body, "/api/generate")["done_reason"] == "unload"
+    assert ollama_requests.load_answer({"model": "m"}, "/api/chat")["done_reason"] == "load"
+    assert not ollama_requests.is_load_or_unload({"model": "m", "prompt": "hi"}, "/api/generate")
+    assert ollama_requests.is_load_or_unload({"model": "m", "messages": []}, "/api/chat")
 
 
 TIMINGS = {"cache_n": 100, "prompt_n": 12, "prompt_ms": 80.5, "predicted_n": 3,
@@ -144,7 +147,7 @@ TIMINGS = {"cache_n": 100, "prompt_n": 12, "prompt_ms": 80.5, "predicted_n": 3,
 
 
 def test_whole_chat_answer():
-    shaper = AnswerShaper(ollama.chat_request({"model": "m:latest", "messages": []}))
+    shaper = AnswerShaper(ollama_requests.chat_request({"model": "m:latest", "messages": []}))
     out = shaper.whole({"choices": [{"finish_reason": "tool_calls", "message": {
         "content": "ok", "reasoning_content": "hmm", "tool_calls": [
             {"id": "c1", "function": {"name": "f", "arguments": '{"a": 1}'}}]}}],
@@ -153,13 +156,14 @@ def test_whole_chat_answer():
     assert out["message"]["content"] == "ok" and out["message"]["thinking"] == "hmm"
     assert out["message"]["tool_calls"] == [
         {"function": {"index": 0, "name": "f", "arguments": {"a": 1}}, "id": "c1"}]
-    assert out["prompt_eval_count"] == 12 and out["eval_count"] == 3
+    # The whole prompt, reused and prefilled (100 + 12), as Ollama counts it (issue #20.6).
+    assert out["prompt_eval_count"] == 112 and out["eval_count"] == 3
     assert out["prompt_eval_duration"] == 80_500_000 and out["eval_duration"] == 30_000_000
     assert out["load_duration"] == 0 and out["total_duration"] >= 0
 
 
 def test_whole_raw_generate_returns_context():
-    mapped = ollama.generate_request({"model": "m", "prompt": "x", "raw": True},
+    mapped = ollama_requests.generate_request({"model": "m", "prompt": "x", "raw": True},
                                      lambda text, special: [5])
     out = AnswerShaper(mapped).whole({"content": "y", "tokens": [9, 10], "stop": True,
                                       "stop_type": "limit", "timings": TIMINGS})
@@ -176,7 +180,7 @@ def lines(raw: bytes) -> list[dict]:
 
 
 def test_stream_chat_line_by_line_even_split_mid_event():
-    shaper = AnswerShaper(ollama.chat_request({"model": "m", "messages": []}))
+    shaper = AnswerShaper(ollama_requests.chat_request({"model": "m", "messages": []}))
     translator = StreamTranslator(shaper)
     data = sse({"choices": [{"delta": {"role": "assistant", "content": None}}]},
                {"choices": [{"delta": {"content": "Hel"}}]},
@@ -190,11 +194,11 @@ def test_stream_chat_line_by_line_even_split_mid_event():
     objs = lines(out)
     assert [o["message"]["content"] for o in objs] == ["Hel", "lo", ""]
     assert [o["done"] for o in objs] == [False, False, True]
-    assert objs[-1]["done_reason"] == "stop" and objs[-1]["prompt_eval_count"] == 12
+    assert objs[-1]["done_reason"] == "stop" and objs[-1]["prompt_eval_count"] == 112
 
 
 def test_stream_tool_call_fragments_are_sent_whole():
-    shaper = AnswerShaper(ollama.chat_request({"model": "m", "messages": []}))
+    shaper = AnswerShaper(ollama_requests.chat_request({"model": "m", "messages": []}))
     translator = StreamTranslator(shaper)
     out = translator.feed(sse(
         {"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "c", "function": {
@@ -209,7 +213,7 @@ def test_stream_tool_call_fragments_are_sent_whole():
 
 
 def test_stream_native_generate_and_errors():
-    mapped = ollama.generate_request({"model": "m", "prompt": "x", "raw": True},
+    mapped = ollama_requests.generate_request({"model": "m", "prompt": "x", "raw": True},
                                      lambda text, special: [1])
     translator = StreamTranslator(AnswerShaper(mapped))
     out = translator.feed(sse({"content": "a", "tokens": [4], "stop": False},
@@ -231,25 +235,26 @@ def test_listings_from_v1_models_and_props():
                         "meta": {"n_params": 268_098_176, "size": 253_000_000,
                                  "n_ctx": 4096, "n_ctx_train": 32768,
                                  "ftype": "Q4_K - Medium"}}]}
-    tags = ollama.tags_answer(models)["models"][0]
+    tags = ollama_models.tags_answer(models, ModelFiles())["models"][0]
     assert tags["name"] == tags["model"] == "gemma-3-270m-q4_k_m:latest"
     assert tags["details"]["quantization_level"] == "Q4_K_M"
     assert tags["details"]["parameter_size"] == "268M" and tags["size"] == 253_000_000
-    ps = ollama.ps_answer(models)["models"][0]
+    ps = ollama_models.ps_answer(models, ModelFiles())["models"][0]
     assert ps["context_length"] == 4096 and ps["expires_at"].startswith("2318")
-    show = ollama.show_answer({"chat_template": "{{ tools }}", "model_path": "/x/m.gguf",
+    show = ollama_models.show_answer({"chat_template": "{{ tools }}", "model_path": "/x/m.gguf",
                                "model_ftype": "Q4_K - Medium",
                                "chat_template_caps": {"supports_tools": True},
-                               "default_generation_settings": {"n_ctx": 4096}}, "m:latest")
+                               "default_generation_settings": {"n_ctx": 4096}}, "m:latest",
+                               ModelFiles())
     assert show["details"]["quantization_level"] == "Q4_K_M"
-    assert ollama.display_name("alias:7b") == "alias:7b"
+    assert ollama_models.display_name("alias:7b") == "alias:7b"
     assert "tools" in show["capabilities"] and show["parameters"] == "num_ctx 4096"
     info = show["model_info"]
     assert info[f"{info['general.architecture']}.context_length"] == 4096
 
 
 def test_embed_answers():
-    mapped = ollama.embed_request({"model": "m", "input": "a"}, legacy=False)
+    mapped = ollama_requests.embed_request({"model": "m", "input": "a"}, legacy=False)
     assert mapped.body["input"] == ["a"] and mapped.path == "/v1/embeddings"
     data = {"data": [{"index": 1, "embedding": [0.2]}, {"index": 0, "embedding": [0.1]}],
             "usage": {"prompt_tokens": 4}}
@@ -257,9 +262,140 @@ def test_embed_answers():
     assert out["embeddings"] == [[0.1], [0.2]] and out["prompt_eval_count"] == 4
     assert AnswerShaper(mapped).embeddings(data, legacy=True) == {"embedding": [0.1]}
     with pytest.raises(OllamaError):
-        ollama.embed_request({"model": "m", "input": [1]}, legacy=False)
+        ollama_requests.embed_request({"model": "m", "input": [1]}, legacy=False)
 
 
 def test_upstream_error_message():
     assert ollama.upstream_error(400, b'{"error": {"code": 400, "message": "bad"}}') == "bad"
     assert ollama.upstream_error(502, b"<html>Bad Gateway</html>") == "<html>Bad Gateway</html>"
+
+
+# ---- issue #20: what real Ollama clients read ------------------------------------------------
+
+def test_format_without_think_turns_the_reasoning_parser_off():
+    """#20.4: with a template that can think, the constrained JSON must land in `content`."""
+    for think in (None, False):
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "format": "json"}
+        if think is not None:
+            body["think"] = think
+        assert ollama_requests.chat_request(body).body["reasoning_format"] == "none"
+    thinking = ollama_requests.chat_request({"model": "m", "messages": [], "format": "json",
+                                             "think": True}).body
+    assert "reasoning_format" not in thinking
+    plain = ollama_requests.chat_request({"model": "m", "messages": []}).body
+    assert "reasoning_format" not in plain
+
+
+def test_parallel_calls_to_one_tool_get_their_results_in_order():
+    """#20.7: two calls to the same tool; each result answers its own call."""
+    call = {"function": {"name": "get_weather", "arguments": {"city": "A"}}}
+    other = {"function": {"name": "get_weather", "arguments": {"city": "B"}}}
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call, other]},
+        {"role": "tool", "tool_name": "get_weather", "content": "sunny"},
+        {"role": "tool", "tool_name": "get_weather", "content": "rainy"}]}
+    messages = ollama_requests.chat_request(body).body["messages"]
+    ids = [c["id"] for c in messages[1]["tool_calls"]]
+    assert len(set(ids)) == 2
+    assert [m["tool_call_id"] for m in messages[2:]] == ids
+
+
+def test_generate_goes_through_the_template_and_returns_a_context():
+    """#20.5: a plain generate is templated by the server and sent as tokens, so its answer
+    carries a `context`; sending it back continues with the next turn templated, no second
+    BOS in the middle."""
+    vocab: dict[str, int] = {"<bos>": 1}
+
+    def tokens(text, special):
+        out = [1] if special else []
+        for word in text.split(" "):
+            if word:
+                out.append(vocab.setdefault(word, len(vocab) + 1))
+        return out
+
+    def render(messages, fields):
+        return " ".join(f"[{m['role']}] {m['content']}" for m in messages) + " [model]"
+
+    first = ollama_requests.generate_request({"model": "m", "prompt": "hi", "system": "S"},
+                                             tokens, render)
+    assert first.path == "/completion" and first.kind == GENERATE_RAW
+    assert first.body["prompt"] == first.context and first.context[0] == 1
+    answer = AnswerShaper(first).whole({"content": "yo", "tokens": [50, 51], "stop": True,
+                                        "stop_type": "eos", "timings": TIMINGS})
+    assert answer["context"] == first.context + [50, 51]
+    more = ollama_requests.generate_request(
+        {"model": "m", "prompt": "again", "context": answer["context"]}, tokens, render)
+    turn = [t for t in tokens(render([{"role": "user", "content": "again"}], {}), True) if t != 1]
+    assert more.body["prompt"] == answer["context"] + turn
+    assert more.body["prompt"].count(1) == 1  # one BOS, at the start
+    # With images or think the server must parse them: the chat route, no context.
+    chat = ollama_requests.generate_request({"model": "m", "prompt": "x", "think": True},
+                                            tokens, render)
+    assert chat.path == "/v1/chat/completions"
+
+
+def test_format_on_generate_reaches_completion_as_json_schema():
+    mapped = ollama_requests.generate_request(
+        {"model": "m", "prompt": "x", "format": {"type": "object"}},
+        lambda text, special: [1], lambda messages, fields: "t")
+    assert mapped.body["json_schema"] == {"type": "object"}
+    assert "response_format" not in mapped.body
+
+
+def test_listings_and_show_read_the_gguf_header(tmp_path):
+    """#20.1 and #20.2: architecture, family and parameters from the model file; modified_at
+    is the file's time, the same on every call."""
+    path = tmp_path / "tiny-Q8_0.gguf"
+    write_gguf(path, {"general.architecture": "gemma3", "gemma3.context_length": 32768,
+                      "general.name": "Tiny", "tokenizer.ggml.tokens": ["a", "b", "c"]},
+               [("w", [640, 1000]), ("b", [640])])
+    files = ModelFiles()
+    models = {"data": [{"id": str(path), "created": 123, "meta": {"n_params": 641_000,
+                                                                  "size": 10, "n_ctx": 512}}]}
+    tags = ollama_models.tags_answer(models, files)["models"][0]
+    assert tags["details"]["family"] == "gemma3" and tags["details"]["families"] == ["gemma3"]
+    assert tags["modified_at"] == ollama_models.tags_answer(models, files)["models"][0][
+        "modified_at"]
+    assert tags["modified_at"].startswith(time.strftime("%Y", time.gmtime(path.stat().st_mtime)))
+    show = ollama_models.show_answer({"model_path": str(path),
+                                      "default_generation_settings": {"n_ctx": 512}},
+                                     "tiny:latest", files)
+    info = show["model_info"]
+    assert info["general.architecture"] == "gemma3" and info["gemma3.context_length"] == 512
+    assert info["general.parameter_count"] == 640 * 1000 + 640
+    assert info["general.name"] == "Tiny" and "tokenizer.ggml.tokens" not in info
+    assert show["details"]["family"] == "gemma3" and show["details"]["parameter_size"] == "1M"
+    assert show["details"]["quantization_level"] == "Q8_0"
+
+
+def test_show_without_the_file_still_leads_to_the_context_size():
+    show = ollama_models.show_answer({"model_path": "/not/here.gguf",
+                                      "default_generation_settings": {"n_ctx": 256}},
+                                     "m", ModelFiles())
+    info = show["model_info"]
+    assert info[f"{info['general.architecture']}.context_length"] == 256
+    first = ollama_models.tags_answer({"data": [{"id": "alias", "meta": {}}]}, files := ModelFiles())
+    again = ollama_models.tags_answer({"data": [{"id": "alias", "meta": {}}]}, files)
+    assert first["models"][0]["modified_at"] == again["models"][0]["modified_at"]
+
+
+def write_gguf(path, meta: dict, tensors: list[tuple[str, list[int]]]) -> None:
+    """A GGUF v3 header (no weights): enough for the metadata reader."""
+    def string(s: str) -> bytes:
+        b = s.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta))
+    for key, value in meta.items():
+        out += string(key)
+        if isinstance(value, str):
+            out += struct.pack("<I", 8) + string(value)
+        elif isinstance(value, int):
+            out += struct.pack("<IQ", 10, value)
+        else:
+            out += struct.pack("<IIQ", 9, 8, len(value)) + b"".join(string(v) for v in value)
+    for name, dims in tensors:
+        out += string(name) + struct.pack("<I", len(dims)) + b"".join(
+            struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", 0, 0)
+    path.write_bytes(out)

@@ -42,6 +42,17 @@ def slots(server: LlamaServer) -> list[dict[str, Any]]:
     return requests.get(server.url + "/slots", timeout=10).json()
 
 
+def prefilled_tokens(proxy: Proxy | str) -> float:
+    """The proxy's count of prefilled prompt tokens so far (its /metrics). Ollama's
+    prompt_eval_count is the whole prompt (issue #20.6), so what was prefilled is read here."""
+    url = proxy.url if isinstance(proxy, Proxy) else proxy
+    text = requests.get(url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith('slotkeeper_prompt_tokens_total{kind="prefilled"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def prompt_tokens(server: LlamaServer, messages: list[dict[str, Any]], **extra: Any) -> int:
     """How many tokens the server's template makes of `messages` (its own count)."""
     text = requests.post(server.url + "/apply-template", json={"messages": messages, **extra},
@@ -85,12 +96,15 @@ def test_ollama_client_chat_generate_embed_and_listings(make_llama, make_proxy):
     assert whole.done and whole.done_reason == "length" and whole.eval_count == 6
     assert whole.message.role == "assistant" and whole.message.content
     assert whole.prompt_eval_count > 0 and whole.total_duration > whole.eval_duration > 0
+    prefilled = prefilled_tokens(proxy)
     parts = list(c.chat(model=name, messages=messages, stream=True,
                         options={"temperature": 0, "num_predict": 6}))
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
     assert len(parts) >= 3 and parts[-1].eval_count == 6
-    # The same prompt again: the slot already holds it, so (almost) nothing is prefilled.
-    assert parts[-1].prompt_eval_count <= 2
+    # The same prompt again: the slot already holds it, so (almost) nothing is prefilled;
+    # prompt_eval_count is still the whole prompt, as Ollama reports it (issue #20.6).
+    assert prefilled_tokens(proxy) - prefilled <= 2
+    assert parts[-1].prompt_eval_count == whole.prompt_eval_count
     assert "".join(p.message.content for p in parts) == whole.message.content
     assert "num_ctx" in proxy.log_text()  # ignored, and said so
 
@@ -106,12 +120,16 @@ def test_ollama_client_chat_generate_embed_and_listings(make_llama, make_proxy):
     first = c.generate(model=name, prompt="<start_of_turn>user\nCount: one two",
                        raw=True, stream=False, options={"temperature": 0, "num_predict": 3})
     assert first.context and all(isinstance(t, int) for t in first.context)
+    prefilled = prefilled_tokens(proxy)
     more = c.generate(model=name, prompt=" four", context=first.context, stream=False,
                       options={"temperature": 0, "num_predict": 3})
     assert more.context[:len(first.context)] == first.context
     assert len(more.context) > len(first.context) + 3
-    # The continued context was in the slot: only the new words were prefilled.
-    assert more.prompt_eval_count <= 4
+    # The continued context was in the slot: only the new turn was prefilled (the turn is
+    # templated now, issue #20.5: "<start_of_turn>user\n four<end_of_turn>..." is ~10 tokens).
+    turn = len(more.context) - more.eval_count - len(first.context)
+    assert prefilled_tokens(proxy) - prefilled <= turn + 2
+    assert more.prompt_eval_count == len(more.context) - more.eval_count
 
     # Embeddings, both generations of the route.
     embedded = c.embed(model=name, input=["hello", "world"])
@@ -176,9 +194,10 @@ def test_bad_requests_get_ollama_errors(make_llama, make_proxy):
 
 def test_ollama_sessions_prefill_only_their_new_tokens(make_llama, make_proxy):
     """Four chats sharing a long system prompt, turns interleaved, each through its own
-    Ollama client with OpenWebUI's chat-id header: every later turn prefills (Ollama's
-    prompt_eval_count = the server's prompt_n) only about its new tokens, which the server's
-    own tokenizer counts from the growing conversation."""
+    Ollama client with OpenWebUI's chat-id header: every later turn prefills (the proxy's
+    prefilled-token count, from the server's prompt_n) only about its new tokens, which the
+    server's own tokenizer counts from the growing conversation; prompt_eval_count is the
+    whole conversation, as Ollama reports it."""
     server, proxy = ollama_proxy(make_llama, make_proxy)
     system = long_system_prompt(600, seed=3)
     chats = {f"owui-chat-{i}": [{"role": "system", "content": system}] for i in range(4)}
@@ -188,6 +207,7 @@ def test_ollama_sessions_prefill_only_their_new_tokens(make_llama, make_proxy):
     for turn, question in enumerate(questions):
         for chat_id, messages in chats.items():
             messages.append({"role": "user", "content": f"({chat_id}) {question}"})
+            before = prefilled_tokens(proxy)
             answer = clients[chat_id].chat(model="gemma-3-270m-q4_k_m", messages=messages,
                                            stream=turn % 2 == 0,
                                            options={"temperature": 0, "num_predict": 8})
@@ -198,9 +218,11 @@ def test_ollama_sessions_prefill_only_their_new_tokens(make_llama, make_proxy):
             else:
                 text = answer.message.content
             total = prompt_tokens(server, messages)
+            assert answer.prompt_eval_count == total
             if turn:
                 new = total - sizes[chat_id][-1]
-                assert answer.prompt_eval_count <= 1.1 * new + 2, (chat_id, turn, new)
+                prefilled = prefilled_tokens(proxy) - before
+                assert prefilled <= 1.1 * new + 2, (chat_id, turn, new, prefilled)
             sizes[chat_id].append(total)
             messages.append({"role": "assistant", "content": text})
     # Without pinning the server re-prefills the conversation past the shared system prompt
@@ -277,10 +299,11 @@ def test_main_port_and_ollama_port_in_one_mitmdump(make_llama, tmp_path):
         for port in (ollama_port, main):
             c = ollama.Client(host=f"http://127.0.0.1:{port}",
                               headers={"X-Session-Id": "both-ports"}, timeout=TIMEOUT)
-            reply = c.chat(model="m", stream=False, options={"num_predict": 2}, messages=[
+            before = prefilled_tokens(f"http://127.0.0.1:{main}")
+            c.chat(model="m", stream=False, options={"num_predict": 2}, messages=[
                 {"role": "system", "content": long_system_prompt(400, seed=8)},
                 {"role": "user", "content": "hi"}])
-            actions.append(reply.prompt_eval_count)
+            actions.append(prefilled_tokens(f"http://127.0.0.1:{main}") - before)
         assert actions[1] <= 2  # the second port's request found the first one's slot
     finally:
         end_process(proc, signal.SIGINT)
@@ -297,10 +320,11 @@ def test_embeddings_between_turns_keep_the_session_cache(make_llama, make_proxy)
     prefilled = []
     for turn, question in enumerate(["Name a colour.", "And an animal?", "Where?"]):
         messages.append({"role": "user", "content": question})
+        before = prefilled_tokens(proxy)
         reply = c.chat(model="m", messages=messages, stream=False,
                        options={"num_predict": 6, "temperature": 0})
         messages.append({"role": "assistant", "content": reply.message.content})
-        prefilled.append(reply.prompt_eval_count)
+        prefilled.append(prefilled_tokens(proxy) - before)
         if turn == 1:
             for i in range(4):
                 assert c.embed(model="m", input=[f"text number {i} " * 20]).embeddings

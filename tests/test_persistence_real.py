@@ -183,7 +183,7 @@ def test_session_api_lists_deletes_and_refuses_hostile_ids(make_llama, make_prox
     turn = c.ask(proxy.url, "Still there?")  # forgotten: starts clean, still answered
     assert turn.action == "assigned"
 
-    r = requests.post(proxy.url + "/api/sessions/clear", timeout=30)
+    r = requests.post(proxy.url + "/api/sessions/clear", json={}, timeout=30)
     assert r.status_code == 200 and r.json()["erased"]
     assert next(iter(requests.get(proxy.url + "/api/sessions/current", timeout=10).json()
                      ["upstreams"].values()))["slots"] == {}

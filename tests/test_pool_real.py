@@ -210,8 +210,8 @@ def test_drain_moves_sessions_out_and_takes_no_new_ones(make_llama, make_proxy, 
     # Bad calls are clear errors.
     assert requests.post(proxy.url + "/api/upstreams/drain", json={"upstream": "http://x:1"},
                          timeout=10).status_code == 404
-    assert requests.post(proxy.url + "/api/upstreams/drain", data="{", timeout=10
-                         ).status_code == 400
+    assert requests.post(proxy.url + "/api/upstreams/drain", data="{", timeout=10,
+                         headers={"Content-Type": "application/json"}).status_code == 400
     # Every server drained: a request gets a clear 503, not a traceback or a hang.
     r = requests.post(proxy.url + "/api/upstreams/drain", json={"upstream": other.url},
                       timeout=60)

@@ -1,26 +1,34 @@
 """Access: who may call slotkeeper's own endpoints (/api/..., /metrics). One check, used by
-the session API and the metrics endpoint; it imports nothing of slotkeeper's, so both can use
-it without an import cycle."""
+the session API and the metrics endpoint; it imports only the error builder (replies.py), so
+both can use it without an import cycle."""
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
-import json
 import logging
 
 from mitmproxy import http
+
+from .replies import error_reply
 
 log = logging.getLogger("slotkeeper.api")
 
 
 def error(status: int, message: str) -> http.Response:
-    return http.Response.make(status, json.dumps({"error": {"code": status, "message": message}},
-                                                 indent=1),
-                              {"Content-Type": "application/json"})
+    return error_reply(status, message)
 
 
 READ_METHODS = frozenset({"GET", "HEAD"})
+MANAGEMENT_PREFIXES = ("/api/sessions", "/api/upstreams")
+
+
+def is_management_path(path: str) -> bool:
+    """slotkeeper's own endpoints (the path without its query): the session and pool APIs
+    and /metrics."""
+    if path.rstrip("/") == "/metrics":
+        return True
+    return any(path == p or path.startswith(p + "/") for p in MANAGEMENT_PREFIXES)
 
 
 def is_loopback(host: str) -> bool:
@@ -39,11 +47,11 @@ def management_access(flow: http.HTTPFlow, token: str) -> http.Response | None:
     call may go on, else the answer to give instead.
 
     - No token configured: loopback clients only (403 for others), every method.
-    - A token configured (slotkeeper_api_token): loopback clients may read (GET, HEAD)
-      without it; every other call needs `Authorization: Bearer <token>` (401 without it):
-      changes from any client, and reads from other machines, since the session list names
-      every user's sessions.
-    The Authorization header is redacted from the flow, so mitmweb never shows the token."""
+    - A token configured (slotkeeper_api_token): every call needs `Authorization: Bearer
+      <token>` (401 without it), loopback clients included (issue #21: any local process or
+      web page could read the session list, which names every user's sessions).
+    The Authorization header is redacted from the flow, so mitmweb never shows the token.
+    Browsers (Host, Origin, content type) are refused before this, by guard.BrowserGuard."""
     peer = flow.client_conn.peername
     host = str(peer[0]) if peer else ""
     if not token:
@@ -56,8 +64,6 @@ def management_access(flow: http.HTTPFlow, token: str) -> http.Response | None:
     given = flow.request.headers.get("authorization", "")
     if given:
         flow.request.headers["authorization"] = "Bearer <redacted>"
-    if flow.request.method.upper() in READ_METHODS and is_loopback(host):
-        return None
     scheme, _, value = given.strip().partition(" ")
     if scheme.lower() == "bearer" and hmac.compare_digest(
             value.strip().encode("utf-8", "surrogatepass"), token.encode()):
@@ -65,8 +71,7 @@ def management_access(flow: http.HTTPFlow, token: str) -> http.Response | None:
     log.warning("management call %s %s from %s refused: missing or wrong API token",
                 flow.request.method, flow.request.path[:100], host)
     response = error(401, "send 'Authorization: Bearer <token>' with the token set in "
-                          "slotkeeper_api_token (needed for changes, and for reads from "
-                          "other machines)")
+                          "slotkeeper_api_token (needed for every management call)")
     response.headers["WWW-Authenticate"] = 'Bearer realm="slotkeeper"'
     return response
 

@@ -16,8 +16,10 @@ from mitmproxy import ctx, http
 
 from . import bodies, metrics, placement, settings
 from .api import SessionApi
+from .choice import SlotOutOfRange
 from .bodies import BodyError, BodyRefused, SseTimingsWatcher, Timings
 from .contentview import MitmwebView
+from .guard import BodyLimit, BrowserGuard
 from .flows import (ROUTE_KEY, SUMMARY_KEY, WATCH_KEY, describe, error_response,
                     note_pass_through, point_at, read_body, refuse_if_too_deep, set_headers,
                     timings_of, upstream_of, without_empty_chunks, write_body)
@@ -28,6 +30,7 @@ from .ollama_surface import OllamaSurface
 from .router import Router
 from .routes import CLIENT, KEPT, NoUpstream, Route
 from .translation import translation_of
+from .upstream import check_access, reverse_targets
 from .watch import HealthWatcher, IdleSaves
 
 log = logging.getLogger("slotkeeper")
@@ -161,7 +164,7 @@ class SlotKeeper:
         url = upstream_of(flow)
         if self.router.pool.pooled:
             # The fast path only for a session resident on a server that can keep it; the
-            # slow path places every other request (router.place).
+            # slow path places every other request (router.route, through the pool room).
             url = self.router.pool.sticky_upstream(ident.session_id) or ""
         route = (self.router.try_keep(url, ident, model_of_body(data))
                  if client_slot is None and url else None)
@@ -173,6 +176,10 @@ class SlotKeeper:
             return await asyncio.get_running_loop().run_in_executor(
                 self.pool, self.router.route, url or upstream_of(flow), ident, client_slot,
                 flow.request.path, data)
+        except SlotOutOfRange as e:
+            flow.response = error_response(400, str(e))
+            metrics.request(flow.request.path, "rejected")
+            return None
         except NoUpstream as e:
             flow.response = error_response(503, f"no llama-server can take the request: {e}")
             metrics.request(flow.request.path, "error")
@@ -299,6 +306,10 @@ class SlotKeeper:
 
     def running(self) -> None:
         self.watcher.start()
+        if self.router is not None:  # a 401 at start: one clear line naming the option
+            self.release_pool.submit(check_access, [
+                *self.router.config.upstreams, *reverse_targets(ctx.options.mode)],
+                self.router.config.api_key)
 
     def done(self) -> Awaitable[None]:
         """Stop what `running`/`configure` started. Graceful shutdown (SIGINT/SIGTERM): let
@@ -366,7 +377,7 @@ class _WhenAwaited:
 def make_addons() -> list:
     """Fresh addon objects: the entry script calls this each time mitmproxy (re)loads it."""
     keeper = SlotKeeper()
-    # Surfaces that rewrite a request into llama-server's own API come first (translation.py).
-    return [OllamaSurface(), AnthropicMessages(keeper), keeper, SessionApi(keeper),
-            metrics.MetricsEndpoint(keeper),
-            MitmwebView()]
+    # The browser guard first (it refuses before anyone answers), then the surfaces that
+    # rewrite a request into llama-server's own API (translation.py).
+    return [BrowserGuard(), OllamaSurface(keeper), AnthropicMessages(keeper), keeper, BodyLimit(),
+            SessionApi(keeper), metrics.MetricsEndpoint(keeper), MitmwebView()]

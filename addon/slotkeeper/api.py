@@ -15,6 +15,7 @@ from mitmproxy import http
 from .access import management_access
 from . import placement
 from .admin import NoSlotDir, SessionAdmin, SlotBusy
+from .replies import error_reply
 
 log = logging.getLogger("slotkeeper.api")
 
@@ -31,7 +32,7 @@ def json_response(status: int, payload: Any) -> http.Response:
 
 
 def error(status: int, message: str) -> http.Response:
-    return json_response(status, {"error": {"code": status, "message": message}})
+    return error_reply(status, message)
 
 
 class SessionApi:
@@ -90,7 +91,7 @@ class SessionApi:
         """GET /api/upstreams; POST /api/upstreams/drain and /undrain with
         {"upstream": "<base URL of a pool server>"}."""
         method = flow.request.method
-        if not admin.router.pooled:
+        if not admin.router.pool.pooled:
             return error(404, "no pool: slotkeeper_upstreams is not set")
         if rest in ("", "/"):
             return (200, admin.pool, ()) if method == "GET" else error(

@@ -24,12 +24,17 @@ COMPLETION_PATHS = frozenset(
 )
 
 
-def is_completion_path(path: str) -> bool:
-    """True for a completion route, ignoring the query string and one trailing slash."""
+def route_of(path: str) -> str:
+    """A request path as a route: without its query string and without trailing slashes
+    (`/v1/messages/?beta=true` -> `/v1/messages`; `/` stays `/`). The one way every room
+    compares a path with a route."""
     route = path.split("?", 1)[0]
-    if len(route) > 1 and route.endswith("/"):
-        route = route[:-1]
-    return route in COMPLETION_PATHS
+    return (route.rstrip("/") or "/") if route.endswith("/") else route
+
+
+def is_completion_path(path: str) -> bool:
+    """True for a completion route, ignoring the query string and trailing slashes."""
+    return route_of(path) in COMPLETION_PATHS
 
 
 class BodyError(ValueError):
@@ -74,10 +79,21 @@ def nested_too_deep(raw: bytes) -> bool:
     return False
 
 
-@dataclass(frozen=True)
-class ParsedBody:
-    data: dict[str, Any]
-    encoding: str  # the Content-Encoding it arrived with ("" for identity)
+def read_body(raw: bytes | None, content_encoding: str, max_bytes: int) -> bytes:
+    """The one body read of every room: the request's bytes (None: mitmproxy streamed them,
+    so there is nothing to read), size-checked against slotkeeper_max_body_mb before and after
+    Content-Encoding is undone. BodyTooLarge (413) over the limit; BodyError otherwise."""
+    if raw is None:
+        raise BodyError("body was streamed, not read")
+    if len(raw) > max_bytes:
+        raise BodyTooLarge(f"request body of {len(raw)} bytes exceeds {max_bytes} bytes "
+                           f"(slotkeeper_max_body_mb)")
+    return decode_body(raw, content_encoding, max_bytes)
+
+
+# flow.metadata: (text, data) of a body a surface rewrote, so SlotKeeper reads it without
+# decoding and parsing it again; valid only while the request's content is still `text`.
+PARSED_KEY = "slotkeeper_parsed_body"
 
 
 # zlib window bits per Content-Encoding: 31 reads a gzip header, 15 a zlib stream.
@@ -102,13 +118,18 @@ def decode_body(raw: bytes, content_encoding: str, max_bytes: int) -> bytes:
     return out
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
+def parse_json(raw: bytes) -> Any:
+    """Any JSON value; BodyTooDeep past Python's nesting limit, BodyError when not JSON."""
     try:
-        data = json.loads(raw)
+        return json.loads(raw)
     except RecursionError:
         raise BodyTooDeep("request body is JSON nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an int over 4300 digits
         raise BodyError(f"body is not JSON: {str(e)[:200]}") from None
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    data = parse_json(raw)
     if not isinstance(data, dict):
         raise BodyError(f"body is JSON {type(data).__name__}, not an object")
     return data
@@ -162,6 +183,27 @@ def pin(data: dict[str, Any], slot: int | None, raw: bytes | None = None) -> byt
 
 
 SSE_DONE = "[DONE]"
+# The longest SSE line kept while waiting for its end. One llama-server event is one token's
+# worth; the largest is the final one (its timings, or a `__verbose` copy of the answer).
+MAX_SSE_LINE_BYTES = 16 * 1024 * 1024
+
+
+class SseLines:
+    """The one line buffer for llama-server's event streams: chunks in, whole lines out (without
+    their line end), only the unfinished last line kept between chunks. A line longer than
+    MAX_SSE_LINE_BYTES is dropped and `overflowed` says so once."""
+
+    def __init__(self) -> None:
+        self._partial = b""
+        self.overflowed = False
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        lines = (self._partial + chunk).split(b"\n") if self._partial else chunk.split(b"\n")
+        self._partial = lines.pop()
+        self.overflowed = len(self._partial) > MAX_SSE_LINE_BYTES
+        if self.overflowed:
+            self._partial = b""
+        return [line[:-1] if line.endswith(b"\r") else line for line in lines]
 
 
 def sse_data(line: bytes) -> dict[str, Any] | str | None:
@@ -271,16 +313,11 @@ class SseTimingsWatcher:
     `flow.response.stream`, so nothing is buffered beyond one partial line."""
 
     def __init__(self) -> None:
-        self._partial = b""
+        self._lines = SseLines()  # a runaway line is dropped: stop looking, keep streaming
         self.timings: Timings | None = None
 
     def __call__(self, chunk: bytes) -> bytes:
-        data = self._partial + chunk
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
-        if len(self._partial) > 4 * 1024 * 1024:  # a runaway line: stop looking, keep streaming
-            self._partial = b""
-        for line in lines:
+        for line in self._lines.feed(chunk):
             if line.startswith(b"data:") and (b'"timings"' in line or b'"usage"' in line):
                 try:
                     event = json.loads(line[5:].strip())

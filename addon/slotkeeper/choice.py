@@ -26,6 +26,19 @@ class Claim:
     stale: bool = False  # the slot no longer holds the owner's KV (side request, restart)
 
 
+class SlotOutOfRange(ValueError):
+    """A client's id_slot names no slot of the server: answered 400, never a lock file."""
+
+
+def check_client_slot(slot: int, total_slots: int) -> None:
+    """A client-chosen id_slot must name one of the server's slots (-1, "any", never gets
+    here). Each accepted value makes a lock file and an entry in memory, so an unchecked one
+    let a client make them without end (issue #21, item 5: slots 1000000, -7, 2**62)."""
+    if not 0 <= slot < total_slots:
+        raise SlotOutOfRange(f"id_slot {slot} is out of range: this server has slots "
+                             f"0-{total_slots - 1} (or -1 for any)")
+
+
 def is_abandoned(claim: Claim | None, now: float, ttl: float) -> bool:
     return claim is None or now - claim.last_used > ttl
 

@@ -4,16 +4,16 @@ mitmproxy glue without decisions; the hooks (addon.py) call these."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 
 from mitmproxy import http
 
 from . import bodies, metrics
-from .bodies import BodyError, BodyTooLarge, SseTimingsWatcher, Timings
+from .bodies import BodyError, SseTimingsWatcher, Timings
 from .contentview import flow_comment
 from .identity import Identity
+from .replies import error_reply as error_response
 from .routes import ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, UNPINNED, Route
 
 log = logging.getLogger("slotkeeper")
@@ -125,21 +125,14 @@ def note_pass_through(flow: http.HTTPFlow, why: str, marker: str = UNPINNED) -> 
     log.info("%s %s passed through unchanged: %s", flow.request.method, flow.request.path, why)
 
 
-def error_response(status: int, message: str) -> http.Response:
-    body = json.dumps({"error": {"code": status, "message": message, "type": "slotkeeper"}})
-    return http.Response.make(status, body, {"Content-Type": "application/json"})
-
-
 def read_body(flow: http.HTTPFlow, max_bytes: int) -> tuple[bytes, dict]:
-    """The decoded body's JSON text, and the object parsed from it."""
+    """The decoded body's JSON text, and the object parsed from it: a surface that rewrote
+    the body left both (bodies.PARSED_KEY), else the one body read (bodies.read_body)."""
     raw = flow.request.raw_content
-    if raw is None:
-        raise BodyError("body was streamed, not read")
-    if len(raw) > max_bytes:
-        raise BodyTooLarge(f"request body of {len(raw)} bytes exceeds {max_bytes} "
-                           f"bytes (slotkeeper_max_body_mb)")
-    encoding = flow.request.headers.get("content-encoding", "")
-    text = bodies.decode_body(raw, encoding, max_bytes)
+    parsed = flow.metadata.pop(bodies.PARSED_KEY, None)
+    if parsed is not None and raw is not None and parsed[0] == raw:
+        return parsed
+    text = bodies.read_body(raw, flow.request.headers.get("content-encoding", ""), max_bytes)
     return text, bodies.parse_json_object(text)
 
 

@@ -9,9 +9,10 @@ import logging
 
 from mitmproxy import ctx, http
 
-from . import anthropic, bodies
-from .anthropic import NotTranslatable, StreamTranslator
-from .bodies import BodyError
+from . import anthropic, bodies, replies
+from .anthropic import NotTranslatable
+from .anthropic_answers import StreamTranslator, message_from_chat
+from .bodies import BodyError, BodyRefused
 from .translation import TRANSLATION_KEY
 
 log = logging.getLogger("slotkeeper.messages")
@@ -35,7 +36,7 @@ class MessagesTranslation:
             answer = anthropic.error_from_chat(response.status_code, raw)
         else:
             try:
-                answer = anthropic.message_from_chat(bodies.parse_json_object(raw))
+                answer = message_from_chat(bodies.parse_json_object(raw))
             except (BodyError, NotTranslatable) as e:
                 log.warning("llama-server's chat answer could not be translated: %s", e)
                 response.status_code = 502
@@ -48,7 +49,8 @@ class MessagesTranslation:
 
 class AnthropicMessages:
     """Rewrites POST /v1/messages into POST /v1/chat/completions (see anthropic.py for why and
-    how). A body it cannot translate goes on unchanged, so llama-server answers it itself.
+    how). A body it cannot translate, or cannot read, is answered here with Anthropic's error
+    shape (413 over the size limit, 400 otherwise), never in another API's.
     `/v1/messages/count_tokens` is not a completion and passes through."""
 
     def __init__(self, keeper) -> None:
@@ -71,7 +73,9 @@ class AnthropicMessages:
                 or not anthropic.is_messages_route(req.path)):
             return
         try:
-            body = self._read(req)
+            body = bodies.parse_json(bodies.read_body(
+                req.raw_content, req.headers.get("content-encoding", ""),
+                self.keeper.max_body_bytes))
             chat = anthropic.to_chat_request(body)
             if isinstance(body.get("model"), str):
                 # A router or llama-swap picks the model's server by it (issue #22); a
@@ -79,7 +83,9 @@ class AnthropicMessages:
                 chat["model"] = body["model"]
             encoded = anthropic.encode_json(chat)
         except (BodyError, NotTranslatable) as e:
-            log.info("%s %s not translated (%s): llama-server answers it", req.method, req.path, e)
+            status = e.status if isinstance(e, BodyRefused) else 400
+            flow.response = replies.error_reply(status, str(e), replies.ANTHROPIC)
+            log.info("%s %s answered %d: %s", req.method, req.path, status, e)
             return
         flow.metadata[ORIGINAL_PATH_KEY] = req.path
         flow.metadata[TRANSLATION_KEY] = MessagesTranslation()
@@ -90,13 +96,5 @@ class AnthropicMessages:
         req.headers["accept-encoding"] = "identity"
         req.content = encoded
         req.headers["content-length"] = str(len(encoded))
-
-    def _read(self, req: http.Request) -> object:
-        raw = req.raw_content
-        if raw is None:
-            raise BodyError("body was streamed, not read")
-        limit = self.keeper.max_body_bytes
-        if len(raw) > limit:
-            raise BodyError("body too large")
-        return bodies.parse_json_object(
-            bodies.decode_body(raw, req.headers.get("content-encoding", ""), limit))
+        # SlotKeeper reads this body next: it need not decode and parse it again.
+        flow.metadata[bodies.PARSED_KEY] = (encoded, chat)

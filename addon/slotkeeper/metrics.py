@@ -26,6 +26,7 @@ from prometheus_client import (CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Coun
 from prometheus_client.core import GaugeMetricFamily
 
 from .models import split_key
+from .bodies import route_of
 
 if TYPE_CHECKING:
     from mitmproxy import http
@@ -99,6 +100,10 @@ SLOT_OP_SECONDS = _metric(Histogram, "slotkeeper_slot_operation_seconds",
                           buckets=OP_BUCKETS)
 RESTORE_MISSES = _metric(Counter, "slotkeeper_restore_misses",
                          "Restored snapshots (or seeds) the server did not reuse.", ("kind",))
+RESTORE_REFUSED = _metric(Counter, "slotkeeper_restore_refused",
+                         "Snapshots (or seeds) found but not restored, by why: fingerprint "
+                         "(another model, build, slot layout, LoRA or model file), size, "
+                         "checksum, truncated, messages, ...", ("reason",))
 EVICTIONS = _metric(Counter, "slotkeeper_evictions",
                     "Sessions displaced from their slot, by what displaced them (another "
                     "session's handover, or a side request) and whether their KV was saved "
@@ -123,13 +128,13 @@ for _op in OPERATIONS:  # zeros from the start, so rates work before the first e
         SLOT_OPS.labels(_op, _outcome)
 for _kind in ("reused", "prefilled"):
     PROMPT_TOKENS.labels(_kind)
+RESTORE_REFUSED.labels("fingerprint")  # zero from the start: an alert can watch it
 
 
 # ---- observations (one-line calls from addon.py / router.py) ------------------------------
 
 def endpoint_of(path: str) -> str:
-    route = path.split("?", 1)[0]
-    return route[:-1] if len(route) > 1 and route.endswith("/") else route
+    return route_of(path)
 
 
 @functools.cache
@@ -216,6 +221,21 @@ def restore_miss(kind: str) -> None:
 
 def swap_saved(model: str) -> None:
     SWAP_SAVES.labels(model).inc()
+
+
+# A snapshot check's reason (slotfiles.restorable, SlotFolder.check) -> a label.
+_REFUSALS = (("model changed", "fingerprint"), ("retired", "retired"),
+             ("not a llama state file", "not_a_state_file"), ("version", "version"),
+             ("exceeds slot n_ctx", "too_long"), ("truncated", "truncated"),
+             ("bytes, the save wrote", "size"), ("tokens, the save recorded", "tokens"),
+             ("messages, request has", "messages"), ("missing", "missing"),
+             ("changed since its save", "checksum"))
+
+
+def restore_refused(why: str) -> None:
+    """A snapshot that exists was not restored; `why` is the check's reason text."""
+    reason = next((r for text, r in _REFUSALS if text in why), "other")
+    RESTORE_REFUSED.labels(reason).inc()
 
 
 def eviction(by: str, saved: bool) -> None:

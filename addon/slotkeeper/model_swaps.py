@@ -199,7 +199,8 @@ class ModelSwaps:
 
     def _client(self, key: str, plain: bool = False):
         if plain:
-            return self.upstreams.make_client(key, max(self.upstreams.slots_timeout, 5.0))
+            return self.upstreams.make_client(key, max(self.upstreams.slots_timeout, 5.0),
+                                              api_key=self.upstreams.api_key)
         client = self.upstreams.get(key).client
         assert isinstance(client, ModelUpstream)
         return client

@@ -17,7 +17,7 @@ from urllib.parse import quote, unquote
 
 import requests
 
-from .upstream import SlotsUnavailable, Upstream, UpstreamError
+from .upstream import SlotsUnavailable, Upstream, UpstreamError, model_file_identity
 from .upstream_models import (RUNNING_STATES, SwapClient, model_query, parse_models,
                               parse_router_props, parse_running)
 
@@ -88,9 +88,9 @@ class ModelUpstream(Upstream):
     Never loads the model as a side effect: the router gets `autoload=false`; llama-swap is
     asked `/running` first (any `/upstream/<model>/...` request would start it)."""
 
-    def __init__(self, key: str, kind: str, timeout: float = 1.0) -> None:
+    def __init__(self, key: str, kind: str, timeout: float = 1.0, **kwargs: Any) -> None:
         base, model = split_key(key)
-        super().__init__(base, timeout=timeout)
+        super().__init__(base, timeout=timeout, **kwargs)
         self.model = model
         self.kind = kind
 
@@ -150,22 +150,41 @@ class ModelUpstream(Upstream):
             time.sleep(0.2)
         raise UpstreamError(f"model {self.model!r} still {status} after {wait:.0f} s")
 
-    def _get(self, path: str) -> Any:
+    def _get(self, path: str, optional: bool = False) -> Any:
         if self.kind == SWAP:
             if not self._swap_ready():
                 raise UpstreamError(f"GET {path}: model {self.model!r} is not running")
-            return super()._get(SwapClient.base(self.model) + path)
+            return super()._get(SwapClient.base(self.model) + path, optional)
         query = model_query(self.model, autoload="false")
-        return super()._get(path + ("&" + query[1:] if "?" in path else query))
+        return super()._get(path + ("&" + query[1:] if "?" in path else query), optional)
 
-    def post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def post_json(self, path: str, body: dict[str, Any],
+                  timeout: float | None = None) -> dict[str, Any]:
         if self.kind == SWAP:
             if not self._swap_ready():
                 raise UpstreamError(f"POST {path}: model {self.model!r} is not running")
-            return super().post_json(SwapClient.base(self.model) + path, body)
+            return super().post_json(SwapClient.base(self.model) + path, body, timeout)
         if path.startswith("/slots/"):
             path += "&autoload=false" if "?" in path else "?autoload=false"
-        return super().post_json(path, {**body, "model": self.model})
+        return super().post_json(path, {**body, "model": self.model}, timeout)
+
+    def kv_identity(self, model_path: str) -> str:
+        """The router answers `/v1/models` itself (every model, in its own order), so the
+        model's shape is read from its own entry of `/models` (its `meta` while loaded);
+        `/lora-adapters` is asked of the model, None when the router does not pass it on.
+        llama-swap's `/upstream/<model>/...` is the model's own server: as a single one."""
+        if self.kind == SWAP:
+            return super().kv_identity(model_path)
+        try:
+            listed = super()._get("/models")
+            loras = self._get("/lora-adapters", optional=True)
+        except UpstreamError:
+            listed, loras = None, None
+        items = listed.get("data") if isinstance(listed, dict) else None
+        meta = next((m.get("meta") for m in items or () if isinstance(m, dict)
+                     and m.get("id") == self.model), None)
+        return json.dumps([meta, loras, model_file_identity(model_path)], sort_keys=True,
+                          default=str)
 
     def slots(self):
         if self.kind == SWAP and not self._swap_ready():
@@ -199,8 +218,9 @@ class Kinds:
     """What each base URL serves (ROUTER, SWAP, SINGLE), detected once and remembered; and
     the client of an upstream key (a ModelUpstream for a model's key)."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, api_key: str = "") -> None:
         self.timeout = timeout
+        self.api_key = api_key  # llama-server's --api-key (issue #21): detection asks too
         self._kinds: dict[str, str] = {}
         self._failed: dict[str, float] = {}  # base -> when detection last found no answer
 
@@ -214,15 +234,16 @@ class Kinds:
         kind = self._kinds.get(base)
         if kind is None and time.monotonic() - self._failed.get(base, -DETECT_RETRY_S) >= (
                 DETECT_RETRY_S):
-            kind = detect(Upstream(base, timeout=self.timeout))
+            kind = detect(Upstream(base, timeout=self.timeout, api_key=self.api_key))
             if kind is not None:
                 self._kinds[base] = kind
             else:
                 self._failed[base] = time.monotonic()
         return kind
 
-    def client(self, key: str, timeout: float) -> Upstream:
+    def client(self, key: str, timeout: float, **kwargs: Any) -> Upstream:
+        """`kwargs`: the Upstream's own (api_key, on_hang)."""
         base, model = split_key(key)
         if not model:
-            return Upstream(key, timeout=timeout)
-        return ModelUpstream(key, self._kinds.get(base) or ROUTER, timeout=timeout)
+            return Upstream(key, timeout=timeout, **kwargs)
+        return ModelUpstream(key, self._kinds.get(base) or ROUTER, timeout=timeout, **kwargs)

@@ -1,8 +1,9 @@
-"""The Ollama surface: the mitmproxy side of ollama.py. Listed before SlotKeeper, it rewrites
-`/api/chat` and `/api/generate` into llama-server completion requests (which SlotKeeper then
-routes, pins and saves like any other) and leaves a Translation that turns the answer back
-into Ollama's. Model listings are rewritten to llama-server's `/v1/models` and `/props`;
-`/api/version`, `/` and OpenWebUI's load/unload calls are answered here."""
+"""The Ollama surface: the mitmproxy side of the ollama_* modules. Listed before SlotKeeper, it
+rewrites `/api/chat` and `/api/generate` into llama-server completion requests (which
+SlotKeeper then routes, pins and saves like any other) and leaves a Translation that turns the
+answer back into Ollama's. `/api/tags` and `/api/ps` are rewritten to llama-server's
+`/v1/models` and `/api/show` to `/props`; `/api/version`, `/`, CORS preflights and OpenWebUI's load/unload
+calls are answered here."""
 
 from __future__ import annotations
 
@@ -16,24 +17,17 @@ from typing import Any
 import requests
 from mitmproxy import ctx, exceptions, http
 
-from . import bodies, ollama
+from . import bodies, cors, ollama, ollama_models, ollama_requests, origins, replies
 from .bodies import BodyError, BodyRefused
-from .ollama import AnswerShaper, Mapped, OllamaError, StreamTranslator
+from .ollama import Mapped, OllamaError
+from .ollama_answers import AnswerShaper, StreamTranslator
+from .ollama_models import ModelFiles
 from .translation import TRANSLATION_KEY
 
 log = logging.getLogger("slotkeeper.ollama")
 
-TOKENIZE_TIMEOUT_S = 30.0
-DEFAULT_MAX_BODY_MB = 32
-
-
-def ollama_response(status: int, payload: Any) -> http.Response:
-    return http.Response.make(status, json.dumps(payload), {"Content-Type": "application/json"})
-
-
-def ollama_error(status: int, message: str) -> http.Response:
-    return http.Response.make(status, ollama.error_body(message),
-                              {"Content-Type": "application/json"})
+UPSTREAM_TIMEOUT_S = 30.0  # /tokenize and /apply-template
+CORS_KEY = "slotkeeper_cors"  # flow.metadata: the CORS headers the answer gets
 
 
 class OllamaTranslation:
@@ -58,33 +52,41 @@ class OllamaTranslation:
         raw = response.content or b""
         if response.status_code != 200:
             # llama-server's (or mitmproxy's) error, in Ollama's shape and with its status.
-            message = ollama.upstream_error(response.status_code, raw)
-            _replace(response, response.status_code, ollama.error_body(message))
+            _replace(response, response.status_code,
+                     ollama.upstream_error(response.status_code, raw))
             return
         try:
             payload = self.convert(json.loads(raw))
         except OllamaError as e:
-            _replace(response, e.status, ollama.error_body(e.message))
+            _replace(response, e.status, e.message)
             return
-        except (ValueError, UnicodeDecodeError):
-            _replace(response, 502, ollama.error_body("llama-server's answer is not JSON"))
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            _replace(response, 502, "llama-server's answer is not JSON")
             return
-        _replace(response, 200, json.dumps(payload, ensure_ascii=False).encode())
+        _replace(response, 200, payload=payload)
 
 
-def _replace(response: http.Response, status: int, body: bytes) -> None:
+def _replace(response: http.Response, status: int, error: str = "", payload: Any = None
+             ) -> None:
+    """Rewrite `response` in place into Ollama's answer (`payload`) or error."""
+    made = replies.json_reply(status, payload) if not error else replies.error_reply(
+        status, error, replies.OLLAMA)
     response.status_code = status
     response.reason = ""
     for name in ("content-encoding", "transfer-encoding"):
         response.headers.pop(name, None)
     response.headers["content-type"] = "application/json"
-    response.content = body
+    response.content = made.content
 
 
 class OllamaSurface:
-    def __init__(self) -> None:
+    def __init__(self, keeper) -> None:
+        self.keeper = keeper  # its max_body_bytes bounds what is read here too
         self.port = 11434
-        # Tokenizing a raw/context prompt is a blocking call to llama-server.
+        self.allowed_origin: cors.Allowed = cors.loopback_origin
+        self.files = ModelFiles()
+        self._warmed: set[str] = set()  # servers whose model file was read off the event loop
+        # Tokenizing, templating and the model facts are blocking calls to llama-server.
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="slotkeeper-ollama")
 
     def load(self, loader) -> None:
@@ -99,6 +101,9 @@ class OllamaSurface:
             if not 0 <= port <= 65535:
                 raise exceptions.OptionsError("slotkeeper_ollama_port must be 0-65535")
             self.port = port
+        if "slotkeeper_ollama_origins" in updated:  # declared by the browser guard (issue #21)
+            extra = tuple(ctx.options.slotkeeper_ollama_origins)
+            self.allowed_origin = lambda origin: origins.origin_allowed(origin, extra)
 
     def done(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -111,24 +116,44 @@ class OllamaSurface:
         if flow.response is not None:
             return None
         req = flow.request
-        path = req.path.split("?", 1)[0]
-        if len(path) > 1:
-            path = path.rstrip("/")
+        path = bodies.route_of(req.path)
+        if path != "/" and (not path.startswith("/api/") or path.startswith("/api/sessions")
+                            or path.startswith("/api/upstreams")):
+            return None
+        origin = req.headers.get("origin", "")
+        if cors.is_preflight(req.method, origin,
+                             req.headers.get("access-control-request-method", "")):
+            status, headers = cors.preflight(origin, self.allowed_origin)
+            flow.response = http.Response.make(status, b"", headers)
+            flow.marked = ":gear:"
+            return None
+        flow.metadata[CORS_KEY] = cors.answer_headers(origin, self.allowed_origin)
         if path == "/":
             if req.method in ("GET", "HEAD") and self._on_ollama_port(flow):
                 flow.response = http.Response.make(200, ollama.RUNNING_TEXT,
                                                    {"Content-Type": "text/plain; charset=utf-8"})
             return None
-        if not path.startswith("/api/") or path.startswith("/api/sessions"):
-            return None
         flow.marked = ":gear:"  # ⚙ like the session API: answered by the proxy itself
         return self._answer(flow, path)
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        self._add_cors(flow)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._add_cors(flow)  # answers made in the request hook meet only this hook
+
+    @staticmethod
+    def _add_cors(flow: http.HTTPFlow) -> None:
+        headers = flow.metadata.get(CORS_KEY)
+        if headers and flow.response is not None:
+            for name, value in headers.items():
+                flow.response.headers[name] = value
 
     async def _answer(self, flow: http.HTTPFlow, path: str) -> None:
         try:
             await self._dispatch(flow, path)
         except OllamaError as e:
-            flow.response = ollama_error(e.status, e.message)
+            flow.response = replies.error_reply(e.status, e.message, replies.OLLAMA)
             log.info("%s %s answered %d: %s", flow.request.method, path, e.status, e.message)
 
     def _on_ollama_port(self, flow: http.HTTPFlow) -> bool:
@@ -139,24 +164,30 @@ class OllamaSurface:
         method = flow.request.method
         if path == "/api/version":
             _expect(method, "GET")
-            flow.response = ollama_response(200, {"version": ollama.OLLAMA_VERSION})
+            flow.response = replies.json_reply(200, {"version": ollama.OLLAMA_VERSION})
         elif path in ("/api/tags", "/api/ps"):
             _expect(method, "GET")
-            answer = ollama.tags_answer if path == "/api/tags" else ollama.ps_answer
+            await self._warm(flow)
+            files = self.files
+            answer = (ollama_models.tags_answer if path == "/api/tags"
+                      else ollama_models.ps_answer)
             _rewrite(flow, "GET", "/v1/models", None)
-            _translate(flow, OllamaTranslation(answer))
+            _translate(flow, OllamaTranslation(lambda models: answer(models, files)))
         elif path == "/api/show":
             _expect(method, "POST")
-            model = ollama.model_of(ollama.request_object(self._body(flow)))
+            model = ollama_requests.model_of(ollama_requests.request_object(self._body(flow)))
+            await self._warm(flow)
+            files = self.files
             _rewrite(flow, "GET", "/props", None)
-            _translate(flow, OllamaTranslation(lambda props: ollama.show_answer(props, model)))
+            _translate(flow, OllamaTranslation(
+                lambda props: ollama_models.show_answer(props, model, files)))
         elif path in ("/api/chat", "/api/generate"):
             _expect(method, "POST")
             await self._completion(flow, path)
         elif path in ("/api/embed", "/api/embeddings"):
             _expect(method, "POST")
             legacy = path == "/api/embeddings"
-            mapped = ollama.embed_request(self._body(flow), legacy)
+            mapped = ollama_requests.embed_request(self._body(flow), legacy)
             self._send(flow, path, mapped)
             shaper = AnswerShaper(mapped)
             _translate(flow, OllamaTranslation(lambda data: shaper.embeddings(data, legacy)))
@@ -165,22 +196,34 @@ class OllamaSurface:
                                    f"llama-server was started with and manages no models")
         # Any other /api/ path is not Ollama's: it passes on unchanged.
 
+    async def _warm(self, flow: http.HTTPFlow) -> None:
+        """Read the server's model file (its GGUF header, ~0.1 s) in a worker thread once, so
+        the listing's translation, in a response hook, finds it cached."""
+        url = _server_url(flow)
+        if url not in self._warmed:
+            self._warmed.add(url)
+            await self._run(_read_model_file, url, self.files)
+
+    async def _run(self, func: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, func, *args)
+
     async def _completion(self, flow: http.HTTPFlow, path: str) -> None:
         body = self._body(flow)
-        if ollama.is_load_or_unload(body, path):
-            answer = ollama.load_answer(ollama.request_object(body), path)
-            flow.response = ollama_response(200, answer)
+        if ollama_requests.is_load_or_unload(body, path):
+            answer = ollama_requests.load_answer(ollama_requests.request_object(body), path)
+            flow.response = replies.json_reply(200, answer)
             flow.comment = f"Ollama {answer['done_reason']}: answered by slotkeeper"
             log.info("%s with nothing to run (%s): answered without llama-server", path,
                      answer["done_reason"])
             return
         if path == "/api/chat":
-            mapped = ollama.chat_request(body)
+            mapped = ollama_requests.chat_request(body)
         else:
-            url = f"{flow.request.scheme}://{flow.request.host}:{flow.request.port}"
-            mapped = await asyncio.get_running_loop().run_in_executor(
-                self.pool, ollama.generate_request, body,
-                lambda text, special: tokenize(url, text, special))
+            url = _server_url(flow)
+            mapped = await self._run(
+                ollama_requests.generate_request, body,
+                lambda text, special: tokenize(url, text, special),
+                lambda messages, fields: render(url, messages, fields))
         self._send(flow, path, mapped)
         shaper = AnswerShaper(mapped)
         streamer = StreamTranslator(shaper) if mapped.stream else None
@@ -194,33 +237,26 @@ class OllamaSurface:
                      ", ".join(mapped.ignored))
 
     def _body(self, flow: http.HTTPFlow) -> Any:
-        raw = flow.request.raw_content
-        limit = _max_body_bytes()
-        if raw is None:
-            raise OllamaError(400, "request body was streamed, not read")
-        if len(raw) > limit:
-            raise OllamaError(413, f"request body of {len(raw)} bytes exceeds {limit} bytes "
-                                   f"(slotkeeper_max_body_mb)")
+        """The request's JSON (an empty body is {}): the one body read (bodies.read_body)."""
         try:
-            decoded = bodies.decode_body(raw, flow.request.headers.get("content-encoding", ""),
-                                         limit)
+            decoded = bodies.read_body(flow.request.raw_content,
+                                       flow.request.headers.get("content-encoding", ""),
+                                       self.keeper.max_body_bytes)
+            return bodies.parse_json(decoded) if decoded.strip() else {}
         except BodyRefused as e:
             raise OllamaError(e.status, str(e)) from None
         except BodyError as e:
-            raise OllamaError(400, str(e)) from None
-        if not decoded.strip():
-            return {}
-        try:
-            return json.loads(decoded)
-        except RecursionError:
-            raise OllamaError(400, "request body is JSON nested too deeply") from None
-        except ValueError as e:
-            raise OllamaError(400, f"request body is not JSON: {str(e)[:200]}") from None
+            raise OllamaError(400, f"request {e}" if str(e).startswith("body") else str(e)
+                              ) from None
 
 
 def _expect(method: str, wanted: str) -> None:
     if method != wanted:
         raise OllamaError(405, f"method {method} not allowed: use {wanted}")
+
+
+def _server_url(flow: http.HTTPFlow) -> str:
+    return f"{flow.request.scheme}://{flow.request.host}:{flow.request.port}"
 
 
 def _rewrite(flow: http.HTTPFlow, method: str, path: str, body: dict[str, Any] | None) -> None:
@@ -234,35 +270,61 @@ def _rewrite(flow: http.HTTPFlow, method: str, path: str, body: dict[str, Any] |
         req.content = b""
         req.headers.pop("content-length", None)
         return
+    text = json.dumps(body, ensure_ascii=False).encode()
     req.headers["content-type"] = "application/json"
-    req.content = json.dumps(body, ensure_ascii=False).encode()
-    req.headers["content-length"] = str(len(req.content))
+    req.content = text
+    req.headers["content-length"] = str(len(text))
+    # SlotKeeper reads this body next: it need not decode and parse it again.
+    flow.metadata[bodies.PARSED_KEY] = (text, body)
 
 
 def _translate(flow: http.HTTPFlow, translation: OllamaTranslation) -> None:
     flow.metadata[TRANSLATION_KEY] = translation
 
 
-def _max_body_bytes() -> int:
-    mb = getattr(ctx.options, "slotkeeper_max_body_mb", DEFAULT_MAX_BODY_MB)
-    return mb * 1024 * 1024
+def _post(url: str, path: str, payload: dict[str, Any], what: str) -> Any:
+    try:
+        r = requests.post(url + path, json=payload, timeout=UPSTREAM_TIMEOUT_S)
+    except requests.RequestException as e:
+        raise OllamaError(502, f"llama-server did not {what}: {e}") from None
+    return _json_of(r, path)
+
+
+def _json_of(r: requests.Response, path: str) -> Any:
+    if r.status_code != 200:
+        raise OllamaError(r.status_code, ollama.upstream_error(r.status_code, r.content))
+    try:
+        return r.json()
+    except ValueError:
+        raise OllamaError(502, f"llama-server's {path} answer is not JSON") from None
+
+
+def _read_model_file(url: str, files: ModelFiles) -> None:
+    try:
+        props = requests.get(url + "/props", timeout=UPSTREAM_TIMEOUT_S).json()
+    except (requests.RequestException, ValueError):
+        return  # the listing's own request to the server will say what is wrong
+    path = props.get("model_path") if isinstance(props, dict) else None
+    if isinstance(path, str):
+        files.metadata(path)
 
 
 def tokenize(url: str, text: str, add_special: bool) -> list[int]:
     """Token ids of `text` from llama-server's own tokenizer (special tokens such as
     `<start_of_turn>` in a raw prompt are parsed, as Ollama does)."""
-    try:
-        r = requests.post(url + "/tokenize", json={"content": text, "add_special": add_special,
-                                                   "parse_special": True},
-                          timeout=TOKENIZE_TIMEOUT_S)
-    except requests.RequestException as e:
-        raise OllamaError(502, f"llama-server did not tokenize the prompt: {e}") from None
-    if r.status_code != 200:
-        raise OllamaError(r.status_code, ollama.upstream_error(r.status_code, r.content))
-    try:
-        tokens = r.json().get("tokens")
-    except (ValueError, AttributeError):
-        tokens = None
+    answer = _post(url, "/tokenize", {"content": text, "add_special": add_special,
+                                      "parse_special": True}, "tokenize the prompt")
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
         raise OllamaError(502, "llama-server's /tokenize answer has no token list")
     return tokens
+
+
+def render(url: str, messages: list[dict[str, Any]], fields: dict[str, Any]) -> str:
+    """The prompt llama-server's chat template makes of `messages` (its /apply-template)."""
+    answer = _post(url, "/apply-template", {"messages": messages, **fields},
+                   "apply its chat template")
+    prompt = answer.get("prompt") if isinstance(answer, dict) else None
+    if not isinstance(prompt, str):
+        raise OllamaError(502, "llama-server's /apply-template answer has no prompt")
+    return prompt

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .bodies import route_of
+
 SYSTEM_ROLES = frozenset({"system", "developer"})
 
 # Keys whose values are not prompt text (or change between turns, like cache_control).
@@ -81,9 +83,7 @@ def read_prompt(path: object, body: object) -> Prompt:
 
 
 def _api_kind(path: object, body: dict) -> str:
-    route = path.split("?", 1)[0] if isinstance(path, str) else ""
-    if len(route) > 1 and route.endswith("/"):
-        route = route[:-1]
+    route = route_of(path) if isinstance(path, str) else ""
     for routes, kind in ((ANTHROPIC_ROUTES, "anthropic"), (CHAT_ROUTES, "chat"),
                          (RESPONSES_ROUTES, "responses"), (COMPLETION_ROUTES, "completion"),
                          (INFILL_ROUTES, "infill")):

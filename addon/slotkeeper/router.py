@@ -55,8 +55,9 @@ class Router:
         self.snapshots = Snapshots(folder, locks, clock) if folder is not None else None
         seeds = (SeedBuilder(self.snapshots, config.seed_min_chars, config.max_seeds)
                  if self.snapshots is not None else None)
-        kinds = Kinds(config.slots_timeout)
-        self.upstreams = Upstreams(state, config.slots_timeout, make_client=kinds.client)
+        kinds = Kinds(config.slots_timeout, config.api_key)
+        self.upstreams = Upstreams(state, config.slots_timeout, config.api_key,
+                                   make_client=kinds.client)
         self.sessions = Sessions(state, config.small_request_chars, config.upstreams)
         self.saves = Saves(state, self.snapshots, config.min_save_tokens)
         self.pool = Pool(config, state, locks, folder, clock, self.upstreams, self.sessions,

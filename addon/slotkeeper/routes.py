@@ -65,6 +65,7 @@ class RouterConfig:
     upstreams: tuple[str, ...] = ()
     placement: str = COST
     weights: Weights = field(default_factory=Weights)
+    api_key: str = ""  # llama-server's --api-key, sent on slotkeeper's own calls (issue #21)
 
 
 @dataclass

@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+from .bodies import route_of
 from .identity import Identity
 from .snapshots import Snapshots, seed_id
 from .upstream import ServerProps, Upstream, UpstreamError
@@ -28,7 +29,7 @@ def common_prefix(a: str, b: str) -> str:
 def seed_messages(path: str, body: dict[str, Any]) -> tuple[list[dict], Any] | None:
     """The system part of a request as OpenAI chat messages (what /apply-template renders), and
     its tools; None when the request has no system part we can render the same way."""
-    route = path.split("?", 1)[0].rstrip("/")
+    route = route_of(path)
     if route.endswith("/chat/completions"):
         messages = body.get("messages")
         if not isinstance(messages, list):

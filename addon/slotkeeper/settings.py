@@ -18,6 +18,7 @@ from .locks import SlotLocks
 from .routes import RouterConfig
 from .slotfiles import SlotFolder
 from .state import StateFile
+from .upstream import UPSTREAM_KEY_ENV, UPSTREAM_KEY_OPTION
 
 log = logging.getLogger("slotkeeper")
 
@@ -104,7 +105,11 @@ def _declare_storage(loader) -> None:
     loader.add_option("slotkeeper_api_token", str, "",
                       "Bearer token for the management endpoints (/api/..., /metrics). "
                       "Unset: they answer loopback clients only. Set: they answer every "
-                      "client, and POST/DELETE calls need 'Authorization: Bearer <token>'.")
+                      "client, and every call needs 'Authorization: Bearer <token>'.")
+    loader.add_option(UPSTREAM_KEY_OPTION, str, "",
+                      "llama-server's --api-key, sent on slotkeeper's own calls (/slots, "
+                      "/props, save/restore); clients' requests keep their own "
+                      "Authorization. Empty: $SLOTKEEPER_UPSTREAM_API_KEY, if set.")
 
 
 @dataclass
@@ -140,6 +145,9 @@ def check(opts) -> tuple[str, ...]:
             "!" <= c <= "~" for c in opts.slotkeeper_api_token):
         raise exceptions.OptionsError("slotkeeper_api_token must be printable ASCII "
                                       "without spaces (it is sent in a header)")
+    if not all("!" <= c <= "~" for c in upstream_key_of(opts)):
+        raise exceptions.OptionsError(f"{UPSTREAM_KEY_OPTION} must be printable ASCII "
+                                      f"without spaces (it is sent in a header)")
     for header in opts.slotkeeper_session_headers:
         if not header or not all(c.isalnum() or c in "-_" for c in header):
             raise exceptions.OptionsError(
@@ -151,6 +159,12 @@ def check(opts) -> tuple[str, ...]:
         return tuple(placement.parse_upstreams(opts.slotkeeper_upstreams))
     except ValueError as e:
         raise exceptions.OptionsError(f"slotkeeper_upstreams: {e}") from None
+
+
+def upstream_key_of(opts) -> str:
+    """The upstream key: the option, else the environment (so it need not be on the command
+    line, where the process list shows it)."""
+    return getattr(opts, UPSTREAM_KEY_OPTION) or os.environ.get(UPSTREAM_KEY_ENV, "")
 
 
 def state_path_of(opts) -> Path:
@@ -210,4 +224,5 @@ def router_config(opts, upstreams: tuple[str, ...]) -> RouterConfig:
         max_seeds=opts.slotkeeper_max_seeds,
         upstreams=upstreams,
         placement=opts.slotkeeper_placement,
+        api_key=upstream_key_of(opts),
     )

@@ -331,6 +331,13 @@ class SlotFolder:
                 return False, f"file changed since its save (crc32 {actual}, saved {meta.crc32})"
         return ok, why
 
+    def size_of(self, session_id: str) -> int:
+        """The snapshot file's size in bytes (0: none)."""
+        try:
+            return self.state_path(session_id).stat().st_size
+        except OSError:
+            return 0
+
     def saving_name(self, session_id: str) -> str:
         """A fresh name for the server to write a new snapshot of the session under."""
         return f"{file_name_for(session_id).removesuffix('.bin')}.saving-{secrets.token_hex(4)}.bin"

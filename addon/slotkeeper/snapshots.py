@@ -78,7 +78,7 @@ class Snapshots:
         saving = folder.saving_name(owner)
         t0 = time.monotonic()
         try:
-            answer = client.save(slot, saving)
+            answer = client.save(slot, saving, expected_bytes=expected)
         except UpstreamError as e:
             log.warning("save of %s from slot %d failed: %s; the previous snapshot stays", owner,
                         slot, e)
@@ -139,10 +139,12 @@ class Snapshots:
             if not ok:
                 if reason != "no snapshot":
                     notes.append(f"{what or 'snapshot'} not used: {reason}")
+                    metrics.restore_refused(reason)
                 return 0
             t0 = time.monotonic()
             try:
-                answer = client.restore(slot, file_name_for(snapshot))
+                answer = client.restore(slot, file_name_for(snapshot),
+                                        nbytes=self.folder.size_of(snapshot))
             except UpstreamError as e:
                 notes.append(f"{what or 'snapshot'} restore failed ({e})")
                 metrics.slot_op("restore", ok=False)

@@ -101,10 +101,41 @@ class StateDoc:
             for key, slot in up.get("slots", {}).items():
                 try:
                     rec.slots[int(key)] = _slot_record(slot)
-                except (KeyError, TypeError, ValueError) as e:
+                except (KeyError, TypeError, ValueError, OverflowError) as e:
                     raise ValueError(f"slot {key!r} of {url!r}: {e}") from None
             doc.upstreams[url] = rec
         return doc
+
+
+def _no_constant(name: str) -> float:
+    """`NaN`, `Infinity`, `-Infinity` are not JSON; Python's parser takes them by default.
+    We never write them: only a damaged file holds them, and the caller rebuilds it."""
+    raise ValueError(f"{name} in the state file")
+
+
+def _finite_float(text: str) -> float:
+    """A number too large for a float (`1e999`) parses as infinity, and int() of it raised
+    OverflowError past every check (issue #21, item 8): refused here as damage."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:20]} out of range")
+    return value
+
+
+def fsync_folder(folder: Path) -> None:
+    """After a rename, the new directory entry is durable only once the folder itself is
+    synced: a power cut right after os.replace could otherwise bring back the old file (or
+    none). Best effort: some filesystems refuse fsync on a directory."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _slot_record(raw: object) -> SlotRecord:
@@ -193,10 +224,11 @@ class StateFile:
     def _load(self) -> StateDoc:
         try:
             with open(self.path, "rb") as f:
-                return StateDoc.from_json(json.load(f))
+                return StateDoc.from_json(json.load(f, parse_constant=_no_constant,
+                                                    parse_float=_finite_float))
         except FileNotFoundError:
             return StateDoc()
-        except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError, OverflowError) as e:
             # A corrupt file costs us the ownership records only (the KV files are separate):
             # start again from an empty document; the next update rewrites it whole.
             log.warning("state file %s unreadable (%s): rebuilding it", self.path, e)
@@ -220,6 +252,7 @@ class StateFile:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
+            fsync_folder(self.path.parent)
         except BaseException:
             try:
                 os.unlink(tmp)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -22,9 +23,9 @@ import requests
 from .admin import SessionAdmin
 from .local import state_dir  # the same folder as addon.default_state_dir()
 from .slotfiles import SlotFolder
-from .state import StateDoc
 from .models import Kinds, split_key
-from .upstream import SlotsUnavailable
+from .state import StateDoc
+from .upstream import UPSTREAM_KEY_ENV, SlotsUnavailable
 
 DEFAULT_PROXY = "http://127.0.0.1:8000"
 PROXY_TIMEOUT_S = 3.0
@@ -63,12 +64,20 @@ class Report:
         return dict(self.__dict__)
 
 
+def api_auth() -> dict[str, str]:
+    """The proxy's slotkeeper_api_token, from $SLOTKEEPER_API_TOKEN: with a token set, every
+    management call needs it, loopback included."""
+    token = os.environ.get("SLOTKEEPER_API_TOKEN", "")
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def from_proxy(url: str) -> tuple[dict, list[dict] | None, str | None]:
     """(current, saved sessions or None, note). Raises StatusError when no slotkeeper proxy
     answers at `url`."""
     base = url.rstrip("/")
     try:
-        r = requests.get(base + "/api/sessions/current", timeout=PROXY_TIMEOUT_S)
+        r = requests.get(base + "/api/sessions/current", timeout=PROXY_TIMEOUT_S,
+                         headers=api_auth())
     except requests.RequestException as e:
         raise StatusError(f"no proxy at {url} ({_short(e)})") from None
     current = _json(r)
@@ -77,7 +86,7 @@ def from_proxy(url: str) -> tuple[dict, list[dict] | None, str | None]:
         raise StatusError(f"{url} is not a slotkeeper proxy (GET /api/sessions/current "
                           f"answered {r.status_code})")
     try:
-        r = requests.get(base + "/api/sessions", timeout=PROXY_TIMEOUT_S)
+        r = requests.get(base + "/api/sessions", timeout=PROXY_TIMEOUT_S, headers=api_auth())
     except requests.RequestException as e:
         return current, None, f"GET /api/sessions failed: {_short(e)}"
     saved = _json(r)
@@ -134,11 +143,11 @@ def from_files(state_file: Path, slot_dir: Path | None) -> tuple[dict, list[dict
 def live_slots(url: str) -> tuple[dict[int, Any] | None, str | None]:
     """The upstream's own view of its slots (id -> SlotView), or None and why."""
     base, model = split_key(url)
-    kinds = Kinds(SLOTS_TIMEOUT_S)
+    kinds = Kinds(SLOTS_TIMEOUT_S, api_key=os.environ.get(UPSTREAM_KEY_ENV, ""))
     if model:  # a router's or llama-swap's model: read without loading it (issue #22)
         kinds.of(base)
     try:
-        views = kinds.client(url, SLOTS_TIMEOUT_S).slots()
+        views = kinds.client(url, SLOTS_TIMEOUT_S, api_key=kinds.api_key).slots()
     except SlotsUnavailable as e:
         return None, _short(e)
     return {v.id: v for v in views}, None

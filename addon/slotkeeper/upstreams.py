@@ -47,10 +47,11 @@ class Upstreams:
     """Owns: the UpstreamInfo of every server seen, health verdicts, suspicion and the
     verification of a suspect server. Does not touch: slot leases, snapshots, placement."""
 
-    def __init__(self, state: StateFile, slots_timeout: float,
-                 make_client: Callable[[str, float], Upstream] = Upstream) -> None:
+    def __init__(self, state: StateFile, slots_timeout: float, api_key: str = "",
+                 make_client: Callable[..., Upstream] = Upstream) -> None:
         self.state = state
         self.slots_timeout = slots_timeout
+        self.api_key = api_key  # llama-server's --api-key, on our own calls (issue #21)
         self.make_client = make_client  # a model's key gets a client bound to it (models.py)
         self._infos: dict[str, UpstreamInfo] = {}
         self._mutex = threading.Lock()
@@ -68,7 +69,10 @@ class Upstreams:
         with self._mutex:
             info = self._infos.get(url)
             if info is None:
-                info = UpstreamInfo(self.make_client(url, self.slots_timeout))
+                # A slot call that hangs marks the server suspect (issue #21, item 7).
+                info = UpstreamInfo(self.make_client(url, timeout=self.slots_timeout,
+                                                     api_key=self.api_key,
+                                                     on_hang=lambda: self.mark_suspect(url)))
                 self._infos[url] = info
             return info
 

@@ -69,10 +69,7 @@ class Walk:
         """The slow path on `url`: verified first if it may have restarted."""
         info = self.upstreams.verify_if_suspect(url)
         if client_slot is not None:
-            # The client chose id_slot: it runs there whatever we say, so it takes the slot's
-            # lease and the slot's owner is saved first and marked stale.
-            return self._take_unclaimed(url, info, ident, client_slot, CLIENT,
-                                        "id_slot chosen by the client", self.config.lock_timeout)
+            return self._client(url, info, ident, client_slot)
         try:
             slots = info.client.slots()
         except SlotsUnavailable as e:
@@ -87,6 +84,18 @@ class Walk:
         # judged against this conversation.
         self.sessions.remember(url, ident.session_id, ident)
         return self._session(url, info, ident, slots, path, body, move=kind == policy.MOVE)
+
+    def _client(self, url: str, info: UpstreamInfo, ident: Identity, slot: int) -> Route:
+        """The client chose id_slot: it runs there whatever we say, so it takes the slot's
+        lease and the slot's owner is saved first and marked stale. A slot the server does
+        not have is refused (SlotOutOfRange) before any lock file is made for it."""
+        total = (info.props.total_slots if info.props else 0) or self.config.slot_count
+        if not total:  # no slot count known: no lease (a lock file per value), server decides
+            return Route(url, ident.session_id, ident.rule, slot, CLIENT,
+                         detail="id_slot chosen by the client; slot count unknown")
+        choice.check_client_slot(slot, total)
+        return self._take_unclaimed(url, info, ident, slot, CLIENT,
+                                    "id_slot chosen by the client", self.config.lock_timeout)
 
     def _fallback(self, url: str, info: UpstreamInfo, ident: Identity, why: str,
                   wait: float) -> Route:
