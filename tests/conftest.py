@@ -3,12 +3,14 @@ tests fail (never skip): CI must not count a skipped integration test as a pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fake_llama_swap import FakeLlamaSwap, llama_factory
+from router_testbed import MODEL_NAMES, RouterServer
 from testbed import LlamaServer, Proxy, llama_server_binary, model_file
 
 # Tests using any of these need the real binary and model: they get the `real` marker, so
@@ -87,3 +89,45 @@ def make_proxy(tmp_path: Path) -> Iterator[Callable[..., Proxy]]:
     yield make
     for proxy in proxies:
         proxy.stop()
+
+
+# ---- several models (issue #22): a router, and a fake llama-swap of real llama-servers ----
+
+@pytest.fixture
+def make_router(llama_bin: Path, model_path: Path,
+                tmp_path: Path) -> Iterator[Callable[..., RouterServer]]:
+    """make_router(**RouterServer kwargs) -> a started llama-server in router mode with the
+    test model under MODEL_NAMES (default --models-max 1), stopped at the end of the test."""
+    routers: list[RouterServer] = []
+
+    def make(**kwargs: Any) -> RouterServer:
+        kwargs.setdefault("binary", llama_bin)
+        kwargs.setdefault("model", model_path)
+        router = RouterServer(tmp_path / f"router{len(routers)}", **kwargs)
+        routers.append(router)
+        return router.start()
+
+    yield make
+    for router in routers:
+        router.stop()
+
+
+@pytest.fixture
+def make_fake_swap(llama_bin: Path, model_path: Path,
+                   tmp_path: Path) -> Iterator[Callable[..., FakeLlamaSwap]]:
+    """make_fake_swap(names=MODEL_NAMES, **LlamaServer kwargs) -> a started FAKE llama-swap
+    whose models are real llama-servers (test model) made with those kwargs, one at a time;
+    stopped with its servers at the end of the test."""
+    swaps: list[FakeLlamaSwap] = []
+
+    def make(names: Sequence[str] = MODEL_NAMES, **kwargs: Any) -> FakeLlamaSwap:
+        kwargs.setdefault("binary", llama_bin)
+        kwargs.setdefault("model", model_path)
+        folder = tmp_path / f"swap{len(swaps)}"
+        swap = FakeLlamaSwap({name: llama_factory(folder / name, **kwargs) for name in names})
+        swaps.append(swap)
+        return swap.start()
+
+    yield make
+    for swap in swaps:
+        swap.stop()

@@ -25,6 +25,7 @@ from .flows import (ROUTE_KEY, SUMMARY_KEY, WATCH_KEY, describe, error_response,
                     timings_of, upstream_of, without_empty_chunks, write_body)
 from .identity import Identity, IdentityConfig, identify
 from .messages import AnthropicMessages
+from .models import model_of_body, unload_targets
 from .ollama_surface import OllamaSurface
 from .router import Router
 from .routes import CLIENT, KEPT, NoUpstream, Route
@@ -82,6 +83,7 @@ class SlotKeeper:
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:
             return
+        await save_before_unload(self.router, self.pool, flow)
         if flow.request.method != "POST":
             self._point_at_any(flow)
             return
@@ -164,7 +166,8 @@ class SlotKeeper:
             # The fast path only for a session resident on a server that can keep it; the
             # slow path places every other request (router.route, through the pool room).
             url = self.router.pool.sticky_upstream(ident.session_id) or ""
-        route = (self.router.try_keep(url, ident) if client_slot is None and url else None)
+        route = (self.router.try_keep(url, ident, model_of_body(data))
+                 if client_slot is None and url else None)
         if route is not None:
             if self.router.pool.pooled:
                 route.placement = placement.STAY
@@ -335,6 +338,22 @@ class SlotKeeper:
     def _close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.release_pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def save_before_unload(router: Router | None, pool: ThreadPoolExecutor,
+                             flow: http.HTTPFlow) -> None:
+    """An unload of a router's or llama-swap's model passing through (issue #22): its
+    sessions are saved first, as before a swap."""
+    if router is None or router.pool.pooled or flow.response is not None:
+        return
+    targets = unload_targets(flow.request.method, flow.request.path, flow.request.raw_content)
+    if targets is None:
+        return
+    try:
+        await asyncio.get_running_loop().run_in_executor(
+            pool, router.models.before_unload, upstream_of(flow), targets or None)
+    except Exception:  # the unload still goes through
+        log.exception("saving the sessions of an unloaded model failed")
 
 
 class _WhenAwaited:

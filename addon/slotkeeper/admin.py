@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from . import metrics
+from .models import split_key
 from .state import StateDoc, UpstreamRecord
 from .upstream import UpstreamError
 
@@ -40,6 +41,7 @@ class SessionAdmin:
                                                        "bytes": meta.size_bytes},
                 }
             out[url] = {"slots": slots, "draining": up.draining,
+                        **({"model": split_key(url)[1]} if split_key(url)[1] else {}),
                         **({"pool": True, "up": self.router.upstreams.get(url).healthy}
                            if url in pool else {})}
         return {"upstreams": out, "slot_dir": str(folder.root) if folder else None}
@@ -65,7 +67,8 @@ class SessionAdmin:
 
     def _resident(self) -> dict[str, dict]:
         return {
-            rec.owner: {"upstream": url, "slot": slot_id}
+            rec.owner: {"upstream": url, "slot": slot_id,
+                        **({"model": split_key(url)[1]} if split_key(url)[1] else {})}
             for url, up in self.router.state.read().upstreams.items()
             for slot_id, rec in up.slots.items()
             if not rec.stale

@@ -51,6 +51,10 @@ def flow_comment(summary: dict[str, Any]) -> str:
     server = summary.get("server")
     if server:  # a pool (issue #13): which server, by its port (or host when ports repeat)
         comment += f" @{server_tag(str(server))}"
+    if summary.get("model"):  # a router's or llama-swap's model (issue #22)
+        comment += f" [{summary['model']}]"
+    if summary.get("swap_saved"):  # sessions of the model that went, saved before the swap
+        comment += f" · swap-saved {summary['swap_saved']}"
     return comment
 
 

@@ -109,6 +109,8 @@ def describe(flow: http.HTTPFlow, ident: Identity, route: Route) -> None:
         "detail": route.detail,
         "routing_ms": round(route.ms, 2),
         **({"server": route.upstream, "placement": route.placement} if route.placement else {}),
+        **({"model": route.model} if route.model else {}),
+        **({"swap_saved": route.swap_saved} if route.swap_saved else {}),
         "prompt_chars": ident.prompt_chars,
         "messages": ident.message_count,
     }

@@ -77,6 +77,10 @@ class AnthropicMessages:
                 req.raw_content, req.headers.get("content-encoding", ""),
                 self.keeper.max_body_bytes))
             chat = anthropic.to_chat_request(body)
+            if isinstance(body.get("model"), str):
+                # A router or llama-swap picks the model's server by it (issue #22); a
+                # single llama-server ignores it.
+                chat["model"] = body["model"]
             encoded = anthropic.encode_json(chat)
         except (BodyError, NotTranslatable) as e:
             status = e.status if isinstance(e, BodyRefused) else 400

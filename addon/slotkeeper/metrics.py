@@ -25,6 +25,7 @@ from prometheus_client import (CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Coun
                                ProcessCollector, generate_latest)
 from prometheus_client.core import GaugeMetricFamily
 
+from .models import split_key
 from .bodies import route_of
 
 if TYPE_CHECKING:
@@ -117,6 +118,10 @@ FALLBACKS = _metric(Counter, "slotkeeper_fallbacks",
 PLACEMENTS = _metric(Counter, "slotkeeper_placements",
                     "Pool (slotkeeper_upstreams): requests placed on each server, by why "
                     "(stay, cheapest, moved, turn, least busy).", ("upstream", "reason"))
+SWAP_SAVES = _metric(Counter, "slotkeeper_swap_saves",
+                     "Sessions saved because their model was about to be unloaded (a request "
+                     "for another model behind a router or llama-swap, or an unload passing "
+                     "through), by that model.", ("model",))
 
 for _op in OPERATIONS:  # zeros from the start, so rates work before the first event
     for _outcome in ("ok", "failed"):
@@ -212,6 +217,10 @@ def slot_mismatch() -> None:
 
 def restore_miss(kind: str) -> None:
     RESTORE_MISSES.labels(kind).inc()
+
+
+def swap_saved(model: str) -> None:
+    SWAP_SAVES.labels(model).inc()
 
 
 # A snapshot check's reason (slotfiles.restorable, SlotFolder.check) -> a label.
@@ -318,6 +327,36 @@ class _LiveCollector:
         return [owned, resident, total, speed, files, size, member_up, draining, session_server]
 
 
+class _SessionModels:
+    """Behind a router or llama-swap (issue #22), the model each claimed session is on."""
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        keeper = _BOUND.get("keeper")
+        return [session_models(keeper.router if keeper is not None else None)]
+
+
+def session_models(router: Any) -> GaugeMetricFamily:
+    try:
+        doc = router.state.read() if router is not None else None
+    except Exception:  # a scrape must answer even with a broken state file (logged above)
+        doc = None
+    family = GaugeMetricFamily(
+        "slotkeeper_session_model",
+        "Router or llama-swap (issue #22): 1 for the model each session's claim is on; "
+        "resident says whether its KV is loaded there.", labels=["session", "model", "resident"])
+    for url, up in doc.upstreams.items() if doc is not None else ():
+        model = split_key(url)[1]
+        for rec in up.slots.values() if model else ():
+            family.add_metric([rec.owner, model, str(not rec.stale).lower()], 1)
+    return family
+
+
+if "session_models" not in _METRICS:
+    _METRICS["session_models"] = _SessionModels()
+    REGISTRY.register(_METRICS["session_models"])
 if "live" not in _METRICS:
     _METRICS["live"] = _LiveCollector()
     REGISTRY.register(_METRICS["live"])

@@ -28,8 +28,10 @@ from .firstturns import FirstTurns
 from .handover import Handover
 from .identity import Identity
 from .locks import SlotLocks
+from .model_swaps import ModelSwaps, Prepared
+from .models import Kinds, model_of_body, split_key
 from .pool import Pool
-from .routes import OWNING, ClaimedElsewhere, NoUpstream, Route, RouterConfig
+from .routes import OWNING, UNPINNED, ClaimedElsewhere, NoUpstream, Route, RouterConfig
 from .saves import Saves
 from .seeds import SeedBuilder
 from .sessions import Sessions
@@ -59,7 +61,9 @@ class Router:
         self.snapshots = Snapshots(folder, locks, clock) if folder is not None else None
         seeds = (SeedBuilder(self.snapshots, config.seed_min_chars, config.max_seeds)
                  if self.snapshots is not None else None)
-        self.upstreams = Upstreams(state, config.slots_timeout, config.api_key)
+        kinds = Kinds(config.slots_timeout, config.api_key)
+        self.upstreams = Upstreams(state, config.slots_timeout, config.api_key,
+                                   make_client=kinds.client)
         self.sessions = Sessions(state, config.small_request_chars, config.upstreams)
         self.saves = Saves(state, self.snapshots, config.min_save_tokens)
         self.pool = Pool(config, state, locks, folder, clock, self.upstreams, self.sessions,
@@ -72,6 +76,8 @@ class Router:
                          self.first_turns.one_off)
         self.accounting = Accounting(config, state, locks, clock, self.upstreams, self.saves,
                                      self.snapshots)
+        self.models = ModelSwaps(kinds, state, locks, self.saves, self.upstreams,
+                                 self.pool.in_flight, config.lock_timeout)
         for url in config.upstreams:
             self.upstreams.get(url)
 
@@ -83,16 +89,20 @@ class Router:
 
     # ---- a request's walk --------------------------------------------------------------------
 
-    def try_keep(self, url: str, ident: Identity) -> Route | None:
+    def try_keep(self, url: str, ident: Identity, model: str = "") -> Route | None:
         """The fast path, on the event loop: a session that owns its slot keeps it (no
-        network). None means: take the slow path (`route`)."""
+        network). None means: take the slow path (`route`). `model`: the one the request
+        names (a router's or llama-swap's model is its own upstream key, models.py)."""
         started = time.monotonic()
-        return self._keep(url, self.sessions.resolve(url, ident), started)
+        key = url if self.pool.pooled else self.models.key_now(url, model)
+        if key is None:
+            return None
+        return self._keep(key, self.sessions.resolve(key, ident), started)
 
     def _keep(self, url: str, ident: Identity, started: float) -> Route | None:
-        """`try_keep` for a resolved request; also the slow path's first try after waiting
-        for the session's previous request (no /slots read, which a busy server answers only
-        between two steps of its batch: seconds while it prefills)."""
+        """`try_keep` for a resolved request on its upstream key; also the slow path's first
+        try after waiting for the session's previous request (no /slots read, which a busy
+        server answers only between two steps of its batch: seconds while it prefills)."""
         info = self.upstreams.peek(url)
         if info is None or info.suspect:
             return None
@@ -112,6 +122,11 @@ class Router:
         """The slow path: which conversation (sessions), which server (pool), which slot and
         what it holds (walk, which hands the slot over when it changes hands)."""
         started = time.monotonic()
+        prepared = Prepared(url) if self.pool.pooled else self.models.prepare(
+            url, model_of_body(body))
+        if not prepared.key:
+            return unlisted_model(url, ident, prepared)
+        url = prepared.key
         ident = self.sessions.resolve(url, ident)
         session = ident.session_id
         waited = self._wait_for_previous(url, ident)
@@ -146,6 +161,7 @@ class Router:
                 route.detail = "; ".join(filter(None, [
                     f"waited {waited * 1000:.1f} ms for its previous request to end",
                     route.detail]))
+            route.swap_saved = prepared.swap_saved
             return self._begin(route, ident, started, path, body)
 
     def _wait_for_previous(self, url: str, ident: Identity) -> float | None:
@@ -168,6 +184,8 @@ class Router:
         route.messages = ident.message_count
         route.seed_key = ident.seed_key
         route.ms = (time.monotonic() - started) * 1000
+        route.model = route.model or split_key(url)[1]
+        self.models.touch(url)
         self.pool.count(url, +1)
         route.on_release(lambda: self.pool.count(url, -1))
         if route.action not in OWNING:
@@ -199,3 +217,11 @@ class Router:
         if verdict is not None:
             route.release()
         return verdict
+
+
+def unlisted_model(url: str, ident: Identity, prepared: Prepared) -> Route:
+    """A router or llama-swap that does not list the model the request names (or none is
+    named): forwarded as it came, for the server to answer."""
+    why = f"model {prepared.model!r} not listed by the server" if prepared.model else (
+        "no model named")
+    return Route(url, ident.session_id, ident.rule, None, UNPINNED, detail=why)

@@ -86,6 +86,8 @@ class Route:
     placement: str = ""  # pool only: why this server (placement.STAY, CHEAPEST, ...)
     final_seen: bool = False  # the answer's final event went to the client
     prefix_from: str = ""  # restored from this session's snapshot, as its prefix (a fork)
+    model: str = ""  # behind a router or llama-swap (issue #22): the model it runs on
+    swap_saved: str = ""  # the sessions saved before loading that model unloaded another
     _on_release: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _on_final: list[Callable[[], None]] = field(default_factory=list, repr=False)
 

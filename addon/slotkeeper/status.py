@@ -23,8 +23,9 @@ import requests
 from .admin import SessionAdmin
 from .local import state_dir  # the same folder as addon.default_state_dir()
 from .slotfiles import SlotFolder
+from .models import Kinds, split_key
 from .state import StateDoc
-from .upstream import UPSTREAM_KEY_ENV, SlotsUnavailable, Upstream
+from .upstream import UPSTREAM_KEY_ENV, SlotsUnavailable
 
 DEFAULT_PROXY = "http://127.0.0.1:8000"
 PROXY_TIMEOUT_S = 3.0
@@ -141,9 +142,12 @@ def from_files(state_file: Path, slot_dir: Path | None) -> tuple[dict, list[dict
 
 def live_slots(url: str) -> tuple[dict[int, Any] | None, str | None]:
     """The upstream's own view of its slots (id -> SlotView), or None and why."""
+    base, model = split_key(url)
+    kinds = Kinds(SLOTS_TIMEOUT_S, api_key=os.environ.get(UPSTREAM_KEY_ENV, ""))
+    if model:  # a router's or llama-swap's model: read without loading it (issue #22)
+        kinds.of(base)
     try:
-        views = Upstream(url, timeout=SLOTS_TIMEOUT_S,
-                         api_key=os.environ.get(UPSTREAM_KEY_ENV, "")).slots()
+        views = kinds.client(url, SLOTS_TIMEOUT_S, api_key=kinds.api_key).slots()
     except SlotsUnavailable as e:
         return None, _short(e)
     return {v.id: v for v in views}, None
@@ -172,7 +176,8 @@ def merge(current: dict, check_upstreams: bool) -> list[dict[str, Any]]:
                 "last_used": rec.get("last_used") if rec else None,
                 "file": rec.get("file") if rec else None,
             })
-        out.append({"url": url, "reachable": live is not None if check_upstreams else None,
+        out.append({"url": split_key(url)[0], "model": split_key(url)[1] or None,
+                    "reachable": live is not None if check_upstreams else None,
                     "error": error if check_upstreams else None,
                     "slot_count": len(live) if live is not None else None,
                     "owned": len(claimed), "slots": slots,
@@ -255,7 +260,8 @@ def render(report: Report) -> str:
         count = f"{up['slot_count']} slots, " if up["slot_count"] is not None else ""
         pool = " (pool member, draining)" if up.get("draining") else (
             " (pool member)" if up.get("pool") else "")
-        lines += ["", f"Upstream {up['url']}{pool}: {count}{up['owned']} owned, {reach}"]
+        model = f", model {up['model']}" if up.get("model") else ""
+        lines += ["", f"Upstream {up['url']}{model}{pool}: {count}{up['owned']} owned, {reach}"]
         rows = [["SLOT", "SESSION", "KV", "NOW", "TOKENS", "SAVED", "LAST USE"]]
         for s in up["slots"]:
             rows.append([str(s["slot"]), s["session"] or "-", kv_state(s), busy(s),
@@ -274,10 +280,17 @@ def render(report: Report) -> str:
             res = s.get("resident")
             rows.append([s["id"], s["kind"], num(s["tokens"]), size(s["bytes"]),
                          age(s["last_used"], now), age(s["created"], now),
-                         f"slot {res['slot']} of {res['upstream']}" if res else "-"])
+                         _resident_at(res)])
         if len(rows) > 1:
             lines += table(rows, right={2, 3})
     return "\n".join(lines) + "\n"
+
+
+def _resident_at(res: dict | None) -> str:
+    if not res:
+        return "-"
+    base, model = split_key(str(res.get("upstream", "")))
+    return f"slot {res['slot']} of {base}" + (f" ({model})" if model else "")
 
 
 # ---- the command ---------------------------------------------------------------------------

@@ -260,6 +260,22 @@ class Upstream:
             return False
         return r.status_code == 200
 
+    # ---- for the several-models clients (upstream_models.py) ----
+
+    def get_json(self, path: str) -> Any:
+        """GET a JSON answer (path may carry a query), with the short timeout of /slots."""
+        return self._get(path)
+
+    def post_text(self, path: str) -> str:
+        """POST without a body to an endpoint that answers text (llama-swap's unload)."""
+        try:
+            r = self._http.post(self.base_url + path, timeout=self.admin_timeout)
+        except requests.RequestException as e:
+            raise UpstreamError(f"POST {path}: {type(e).__name__}") from None
+        if r.status_code != 200:
+            raise UpstreamError(f"POST {path}: HTTP {r.status_code} {r.text[:200]}")
+        return r.text
+
 
 def _int(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0

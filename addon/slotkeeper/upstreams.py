@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import policy
@@ -46,10 +47,12 @@ class Upstreams:
     """Owns: the UpstreamInfo of every server seen, health verdicts, suspicion and the
     verification of a suspect server. Does not touch: slot leases, snapshots, placement."""
 
-    def __init__(self, state: StateFile, slots_timeout: float, api_key: str = "") -> None:
+    def __init__(self, state: StateFile, slots_timeout: float, api_key: str = "",
+                 make_client: Callable[..., Upstream] = Upstream) -> None:
         self.state = state
         self.slots_timeout = slots_timeout
         self.api_key = api_key  # llama-server's --api-key, on our own calls (issue #21)
+        self.make_client = make_client  # a model's key gets a client bound to it (models.py)
         self._infos: dict[str, UpstreamInfo] = {}
         self._mutex = threading.Lock()
 
@@ -67,9 +70,9 @@ class Upstreams:
             info = self._infos.get(url)
             if info is None:
                 # A slot call that hangs marks the server suspect (issue #21, item 7).
-                info = UpstreamInfo(Upstream(url, timeout=self.slots_timeout,
-                                             api_key=self.api_key,
-                                             on_hang=lambda: self.mark_suspect(url)))
+                info = UpstreamInfo(self.make_client(url, timeout=self.slots_timeout,
+                                                     api_key=self.api_key,
+                                                     on_hang=lambda: self.mark_suspect(url)))
                 self._infos[url] = info
             return info
 
