@@ -4,6 +4,7 @@ rows. No processes, no I/O: tests/test_bench_baselines.py checks it."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,11 +91,7 @@ def summarize(rows: Sequence[dict[str, Any]], server_prefilled: int | None) -> d
 
 
 def median(values: Sequence[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return statistics.median(values) if values else None
 
 
 def headers_delta(mine: Sequence[dict[str, Any]],

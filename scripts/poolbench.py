@@ -3,6 +3,7 @@ the measured rows. No processes, no I/O: tests/test_bench_pool.py checks it."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,11 +37,7 @@ def ratio(a: float, b: float) -> float | None:
 
 
 def median(values: Sequence[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return statistics.median(values) if values else None
 
 
 def totals(rows: Sequence[dict[str, Any]], server_prefilled: int | None = None) -> dict[str, Any]:

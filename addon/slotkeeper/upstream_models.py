@@ -165,7 +165,25 @@ def model_query(model: str, **params: str) -> str:
 
 # ---- clients -------------------------------------------------------------------------------
 
-class RouterClient:
+class _SlotActions:
+    """save/restore/erase of one model's slot, each client sending them its own way
+    (`_slot_action`)."""
+
+    def _slot_action(self, model: str, slot: int, action: str,
+                     body: Mapping[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def save(self, model: str, slot: int, filename: str) -> dict[str, Any]:
+        return self._slot_action(model, slot, "save", {"filename": filename})
+
+    def restore(self, model: str, slot: int, filename: str) -> dict[str, Any]:
+        return self._slot_action(model, slot, "restore", {"filename": filename})
+
+    def erase(self, model: str, slot: int) -> dict[str, Any]:
+        return self._slot_action(model, slot, "erase", {})
+
+
+class RouterClient(_SlotActions):
     """llama-server's router mode (`--models-dir` / `--models-preset`): one URL, the model
     named in each call. Never loads a model as a side effect (`autoload=false`)."""
 
@@ -205,15 +223,6 @@ class RouterClient:
         path = f"/slots/{int(slot)}?action={action}&autoload=false"
         return self.upstream.post_json(path, {**body, "model": model})
 
-    def save(self, model: str, slot: int, filename: str) -> dict[str, Any]:
-        return self._slot_action(model, slot, "save", {"filename": filename})
-
-    def restore(self, model: str, slot: int, filename: str) -> dict[str, Any]:
-        return self._slot_action(model, slot, "restore", {"filename": filename})
-
-    def erase(self, model: str, slot: int) -> dict[str, Any]:
-        return self._slot_action(model, slot, "erase", {})
-
     def unload(self, model: str) -> dict[str, Any]:
         """`POST /models/unload`: answers at once, the child exits afterwards."""
         return self.upstream.post_json("/models/unload", {"model": model})
@@ -222,7 +231,7 @@ class RouterClient:
         return self.upstream.post_json("/models/load", {"model": model})
 
 
-class SwapClient:
+class SwapClient(_SlotActions):
     """llama-swap: one URL, each model's llama-server under `/upstream/<model>/`. Any request
     there starts the model (and stops the others of its group), so slots are read, saved
     or restored only for a model `/running` reports ready."""
@@ -259,15 +268,6 @@ class SwapClient:
             raise UpstreamError(f"model {model!r} is not running: no {action}")
         return self.upstream.post_json(f"{self.base(model)}/slots/{int(slot)}?action={action}",
                                        dict(body))
-
-    def save(self, model: str, slot: int, filename: str) -> dict[str, Any]:
-        return self._slot_action(model, slot, "save", {"filename": filename})
-
-    def restore(self, model: str, slot: int, filename: str) -> dict[str, Any]:
-        return self._slot_action(model, slot, "restore", {"filename": filename})
-
-    def erase(self, model: str, slot: int) -> dict[str, Any]:
-        return self._slot_action(model, slot, "erase", {})
 
     def unload(self, model: str) -> None:
         """`POST /api/models/unload/<model>` (answers "OK" once the process stopped)."""
