@@ -448,7 +448,7 @@ def test_corrupt_slot_files_are_never_restored(make_llama, make_proxy, slot_dir,
     with ThreadPoolExecutor(4) as pool:  # four at a time: the server batches its slots
         list(pool.map(first_turn, [*sessions.values(), control]))
     pid = server.proc.pid
-    r = requests.post(proxy.url + "/api/sessions/clear", timeout=60)  # every slot emptied
+    r = requests.post(proxy.url + "/api/sessions/clear", json={}, timeout=60)  # every slot emptied
     assert r.status_code == 200
     for case, s in sessions.items():
         state_path, meta_path = snapshot_files(slot_dir, s.sid)
