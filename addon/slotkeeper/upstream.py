@@ -311,7 +311,9 @@ def check_access(urls: Sequence[str], api_key: str, timeout: float = 5.0) -> lis
             Upstream(url, timeout=timeout, api_key=api_key).props()
         except Unauthorized as e:
             lines.append(str(e))
-            log.error("%s", e)
+            # A warning, not an error: mitmdump exits on an error logged during its startup,
+            # and the proxy must keep serving (clients' requests carry their own key).
+            log.warning("%s", e)
         except UpstreamError:
             continue
     return lines
