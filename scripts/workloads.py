@@ -89,6 +89,18 @@ def question(client: str, turn: int, words: int = 60) -> str:
 
 # ---- a header-less agent that rebuilds its prompt ------------------------------------------
 
+def agent_system(name: str, tokens: int) -> str:
+    """An agent's own system prompt of about `tokens` tokens."""
+    return f"You are {name}, an agent. " + text(words_for_tokens(tokens), f"{name}:system")
+
+
+def agent_turn(system: str, history: list[dict[str, str]], name: str, turn: int,
+               question_words: int) -> list[dict[str, str]]:
+    """An agent's main request: its system prompt, the history, the turn's question."""
+    return [{"role": "system", "content": system}, *history,
+            {"role": "user", "content": question(name, turn, question_words)}]
+
+
 @dataclass
 class RebuiltPromptAgent:
     """System prompt and two example exchanges (fixed), then the history (questions without
@@ -222,12 +234,10 @@ class SdkAgent:
     history: list[dict[str, str]] = field(default_factory=list)
 
     def system(self) -> str:
-        return (f"You are {self.name}, an agent. "
-                + text(words_for_tokens(self.system_tokens), f"{self.name}:system"))
+        return agent_system(self.name, self.system_tokens)
 
     def request(self, turn: int) -> Req:
-        messages = [{"role": "system", "content": self.system()}, *self.history,
-                    {"role": "user", "content": question(self.name, turn, self.question_words)}]
+        messages = agent_turn(self.system(), self.history, self.name, turn, self.question_words)
         return Req(self.name, self.name, turn, "main", messages, dict(SDK_HEADERS))
 
     def memory_request(self, turn: int) -> Req:
@@ -257,12 +267,10 @@ class SessionAgent:
     history: list[dict[str, str]] = field(default_factory=list)
 
     def system(self) -> str:
-        return (f"You are {self.name}, an agent. "
-                + text(words_for_tokens(self.system_tokens), f"{self.name}:system"))
+        return agent_system(self.name, self.system_tokens)
 
     def request(self, turn: int) -> Req:
-        messages = [{"role": "system", "content": self.system()}, *self.history,
-                    {"role": "user", "content": question(self.name, turn, self.question_words)}]
+        messages = agent_turn(self.system(), self.history, self.name, turn, self.question_words)
         return Req(self.name, self.name, turn, "main", messages,
                    {"x-session-id": self.session_id})
 
