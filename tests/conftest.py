@@ -57,18 +57,7 @@ def llama(llama_bin: Path, model_path: Path,
 def make_llama(llama_bin: Path, model_path: Path,
                tmp_path: Path) -> Iterator[Callable[..., LlamaServer]]:
     """make_llama(**LlamaServer kwargs) -> a started server of this test, stopped at its end."""
-    servers: list[LlamaServer] = []
-
-    def make(**kwargs: Any) -> LlamaServer:
-        kwargs.setdefault("binary", llama_bin)
-        kwargs.setdefault("model", model_path)
-        server = LlamaServer(tmp_path / f"llama{len(servers)}", **kwargs)
-        servers.append(server)
-        return server.start()
-
-    yield make
-    for server in servers:
-        server.stop()
+    yield from _started_servers(LlamaServer, tmp_path / "llama", llama_bin, model_path)
 
 
 @pytest.fixture
@@ -98,18 +87,7 @@ def make_router(llama_bin: Path, model_path: Path,
                 tmp_path: Path) -> Iterator[Callable[..., RouterServer]]:
     """make_router(**RouterServer kwargs) -> a started llama-server in router mode with the
     test model under MODEL_NAMES (default --models-max 1), stopped at the end of the test."""
-    routers: list[RouterServer] = []
-
-    def make(**kwargs: Any) -> RouterServer:
-        kwargs.setdefault("binary", llama_bin)
-        kwargs.setdefault("model", model_path)
-        router = RouterServer(tmp_path / f"router{len(routers)}", **kwargs)
-        routers.append(router)
-        return router.start()
-
-    yield make
-    for router in routers:
-        router.stop()
+    yield from _started_servers(RouterServer, tmp_path / "router", llama_bin, model_path)
 
 
 @pytest.fixture
@@ -131,3 +109,21 @@ def make_fake_swap(llama_bin: Path, model_path: Path,
     yield make
     for swap in swaps:
         swap.stop()
+
+
+def _started_servers(kind: Any, folder: Path, llama_bin: Path,
+                     model_path: Path) -> Iterator[Callable[..., Any]]:
+    """A factory fixture's body: make(**kwargs) starts a `kind` server (llama-server, or one
+    in router mode) with the test binary and model in `folder`N; all are stopped at the end."""
+    servers: list[Any] = []
+
+    def make(**kwargs: Any) -> Any:
+        kwargs.setdefault("binary", llama_bin)
+        kwargs.setdefault("model", model_path)
+        server = kind(folder.with_name(f"{folder.name}{len(servers)}"), **kwargs)
+        servers.append(server)
+        return server.start()
+
+    yield make
+    for server in servers:
+        server.stop()

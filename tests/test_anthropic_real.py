@@ -139,14 +139,7 @@ def test_translated_request_renders_the_same_prompt(render_llama, name):
 
 
 def anthropic_events(response: requests.Response) -> list[tuple[str, dict[str, Any]]]:
-    events, name = [], None
-    for raw in response.iter_lines():
-        line = raw.decode()
-        if line.startswith("event: "):
-            name = line[7:]
-        elif line.startswith("data: "):
-            events.append((name, json.loads(line[6:])))
-    return events
+    return [(name, data) for _at, name, data in timed_events(response)]
 
 
 def without_ids(events: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
