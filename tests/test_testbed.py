@@ -39,11 +39,14 @@ def test_kill_then_restart_on_the_same_port(make_llama) -> None:
 
 
 def test_proxy_forwards_the_same_answer_as_the_server(llama: LlamaServer, make_proxy) -> None:
+    """Each request is prefilled from scratch (cache_prompt: false, which slotkeeper keeps):
+    greedy decoding after a reused prefix can differ from a whole prefill in a near-tie token
+    (seen once on CI: "User:" against "Assistant:"), which is the server's numerics, not ours."""
     messages = [{"role": "system", "content": long_system_prompt(words=50)}, *QUESTION]
-    direct = content_of(chat(llama.url, messages))
+    direct = content_of(chat(llama.url, messages, cache_prompt=False))
     proxy: Proxy = make_proxy(llama)
-    assert content_of(chat(proxy.url, messages)) == direct
-    streamed = chat(proxy.url, messages, stream=True)
+    assert content_of(chat(proxy.url, messages, cache_prompt=False)) == direct
+    streamed = chat(proxy.url, messages, stream=True, cache_prompt=False)
     assert streamed["content"] == direct
     assert streamed["timings"]["prompt_n"] + streamed["timings"]["cache_n"] > 0
     assert "/v1/chat/completions" in proxy.log_text()
