@@ -17,7 +17,7 @@ import requests
 from helpers import Conversation
 from testbed import long_system_prompt
 
-SYSTEM = long_system_prompt(1100, seed=231)  # ~1.5k tokens: ~10 s of prefill here
+SYSTEM = long_system_prompt(1100, seed=231)  # ~1.1k tokens: ~2.7 s of prefill, quiet
 HEADER_TIMEOUT_S = 5.0
 
 
@@ -122,7 +122,7 @@ def stream_headers_at(url: str, session: str, messages: list[dict], max_tokens: 
 
 def test_a_first_turn_gets_its_headers_at_once_and_the_seed_comes_afterwards(
         make_llama, make_proxy, tmp_path):
-    """A second conversation with a ~1.5k-token system prompt used to build the seed (~10 s
+    """A second conversation with a ~1.1k-token system prompt used to build the seed (~10 s
     on a slow machine) before its request was forwarded: a client with a 5 s header timeout
     gave up. Now
     every first turn is forwarded at once; the seed is taken after the second conversation's
@@ -176,8 +176,8 @@ def test_a_retry_lands_on_the_original_slot_and_is_prefilled_once(make_llama, ma
                 {"role": "user", "content": "Write a long explanation of test doubles."}]
     body = {"messages": messages, "max_tokens": 16, "temperature": 0}
     headers = {"x-session-id": "retry-1"}
-    # Give up a third of the way into the prefill, whatever this machine's speed (~10 s of
-    # prefill on a loaded machine, ~2.7 s on a quiet one): measured on a prompt of the same length the slots never see.
+    # Give up a third of the way into the prefill, whatever this machine's speed (~2.7 s of
+    # prefill quiet, ~10 s loaded): measured on a same-length prompt the slots never see.
     give_up_s = prefill_seconds(server.url, long_system_prompt(1100, seed=232)) / 3
     try:
         requests.post(proxy.url + "/v1/chat/completions", json=body, headers=headers,
