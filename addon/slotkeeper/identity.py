@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from .policy import Prefix
 from .prompts import Prompt, id_text, read_prompt
+from .tasks import asks_for_side_task
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class Identity:
     # Also set by sessions: a new conversation (a fork) whose opening another session holds,
     # and how much of it they share.
     prefix: Prefix | None = None
+    # A title, tags or follow-ups request by what it asks (tasks.py): never the session's
+    # conversation, whichever of the two arrives first.
+    side_task: bool = False
 
 
 # ---- rule 1: headers ------------------------------------------------------------------------
@@ -144,6 +148,10 @@ def identify(path: str, headers: Mapping[str, str], body: object,
         system_chars=system_chars,
         chain=_chain(prompt, system_digest),
         chain_chars=_chain_chars(prompt, system_chars),
+        side_task=asks_for_side_task(
+            has_tools=prompt.tools_json is not None,
+            roles=[role for role, _texts in prompt.messages],
+            system_parts=prompt.system_parts, first_user_parts=prompt.first_user_parts),
     )
 
 

@@ -118,12 +118,15 @@ def rebuilt_from(chain: Sequence[str], known: Mapping[str, Conversation],
 def classify(*, chain: Sequence[str], system_key: str | None, prompt_chars: int,
              small_request_chars: int, resident: Conversation | None,
              own_request_running: bool, rewrites: bool = False,
-             common_chars: int | None = None, last_side: Conversation | None = None) -> str:
+             common_chars: int | None = None, last_side: Conversation | None = None,
+             side_task: bool = False) -> str:
     """Is this request the session's main conversation (MAIN), a side request (SIDE), or the
     session's main conversation arriving while its slot still runs another request of the
     same session (MOVE: take a fresh slot instead of queueing behind it)?
 
     - Small prompts are side requests (titles, tags, a first "hi"): cheap to prefill anywhere.
+    - So is a side task by what it asks (`side_task`, tasks.py: a title, tags, follow-ups),
+      whatever its size and whether or not it arrived before the session's conversation.
     - A request that extends the resident conversation is its next turn; so is one that
       sessions resolved as the same agent's rebuilt prompt (`rewrites`).
     - A request that extends the session's last side request (by divergence, below) and is
@@ -144,7 +147,7 @@ def classify(*, chain: Sequence[str], system_key: str | None, prompt_chars: int,
     briefly for a request that already sent its final event); a new main conversation moves
     to a slot of its own. The one exception is a retry: the running request itself again
     (same conversation, same length) waits for it on its slot."""
-    if prompt_chars < small_request_chars:
+    if prompt_chars < small_request_chars or side_task:
         return SIDE
     if resident is None:
         return MOVE if own_request_running else MAIN

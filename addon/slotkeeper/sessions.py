@@ -114,7 +114,7 @@ class Sessions:
             small_request_chars=self.small_request_chars, resident=resident,
             own_request_running=running > 0, rewrites=ident.rewrites,
             common_chars=self._common_chars(ident, resident) if diverges else None,
-            last_side=self.sides.get(key) if diverges else None)
+            last_side=self.sides.get(key) if diverges else None, side_task=ident.side_task)
         if kind == policy.SIDE and diverges and ident.prompt_chars >= self.small_request_chars:
             self.sides[key] = Conversation.of(ident.chain, ident.seed_key, ident.prompt_chars)
         return kind

@@ -81,7 +81,8 @@ class Walk:
         kind = self.sessions.kind(url, ident, up.slots[owned] if owned is not None else None,
                                   running)
         if kind == policy.SIDE:
-            return self._side(url, info, ident, slots)
+            return self._side(url, info, ident, slots,
+                              "side task" if ident.side_task else "side request")
         if owned is None and self.one_off(url, ident):
             return self._side(url, info, ident, slots, "one-off")
         # Remembered before the handover: a request of the session arriving meanwhile must be
