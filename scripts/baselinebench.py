@@ -70,8 +70,14 @@ def summarize(rows: Sequence[dict[str, Any]], server_prefilled: int | None) -> d
     later = [r for r in answered if later_main(r)]
     headers = [r["headers_s"] for r in rows if r.get("headers_s") is not None]
     ttfts = [r["ttft_s"] for r in rows if r.get("ttft_s") is not None]
-    later_n = sum(r["prompt_n"] for r in later)
     later_min = sum(r["minimum"] for r in later)
+    # Answers that do not say what the server prefilled (Ollama's /api/chat: its
+    # prompt_eval_count is the whole prompt) leave the later-turn sum unknown, not 0.
+    unknown = any(later_main(r) and r.get("prompt_n") is None and not r.get("error")
+                  for r in rows)
+    later_n = None if unknown else sum(r["prompt_n"] for r in later)
+    if unknown:
+        later_min = sum(r["minimum"] for r in rows if later_main(r))
     return {
         "requests": len(rows),
         "errors": sum(1 for r in rows if r.get("error")),
@@ -144,7 +150,8 @@ def compare(workload: dict[str, dict[str, Any]]) -> dict[str, Any]:
         }
     if baselines:
         out["slotkeeper_later_at_most_best"] = (
-            s["later_prompt_n"] <= out["best_baseline_later_prompt_n"])
+            s["later_prompt_n"] is not None
+            and s["later_prompt_n"] <= out["best_baseline_later_prompt_n"])
     return out
 
 

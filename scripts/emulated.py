@@ -214,10 +214,12 @@ def _read_ndjson(resp: http.client.HTTPResponse, t0: float, result: Result,
             if result.ttft_s is None:
                 result.ttft_s = time.perf_counter() - t0
         if event.get("done"):
-            # llama-server's own prompt_n, passed through as Ollama's prompt_eval_count;
-            # Ollama has no field for the reused tokens (cache_n stays unknown).
-            result.timings = {"prompt_n": event.get("prompt_eval_count", 0),
-                              "prompt_ms": event.get("prompt_eval_duration", 0) / 1e6}
+            # Ollama's prompt_eval_count is the whole prompt (reused + prefilled, as Ollama
+            # counts it), and Ollama has no field for the reused part: how much the server
+            # prefilled is not in the answer (prompt_n stays unknown; the server's log total,
+            # server_prefilled, still counts it).
+            result.timings = {"prompt_ms": event.get("prompt_eval_duration", 0) / 1e6,
+                              "prompt_eval_count": event.get("prompt_eval_count", 0)}
             result.content = "".join(parts)
             _final(result, t0, on_final)
     result.content = "".join(parts)

@@ -132,6 +132,16 @@ def test_summarize_counts_later_turns_of_conversations_only() -> None:
     assert got["headers_s_max"] == 0.01
 
 
+def test_later_turns_whose_answer_hides_the_prefill_are_unknown_not_zero() -> None:
+    """/api/chat answers carry Ollama's prompt_eval_count (the whole prompt), not what the
+    server prefilled: such later turns make the sum unknown; their minimum still counts."""
+    rows = [row("a", 1, "main", None, 800), row("a", 2, "main", None, 100),
+            row("a", 3, "main", None, 120)]
+    got = summarize(rows, server_prefilled=1100)
+    assert got["later_prompt_n"] is None and got["later_over_minimum"] is None
+    assert got["later_minimum"] == 220 and got["server_prefilled"] == 1100
+
+
 def test_headers_delta_matches_the_same_request_and_counts_timed_out_attempts() -> None:
     mine = [row("a", 1, "main", 1, 1, headers_s=0.5, header_waits_s=[5.0], retries=1),
             row("a", 2, "main", 1, 1, headers_s=0.2)]
