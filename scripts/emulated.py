@@ -342,7 +342,21 @@ def mixed_agents(sender: Sender, opts: Options) -> None:
         rebuilt.record(req, sender.send(req).content)
 
 
+def six_agents(sender: Sender, opts: Options) -> None:
+    """#19 (4): six agent sessions (`x-session-id`) sharing a 600-word system prompt, each
+    turn an 80-word message, turns taken round-robin: bench-agents' workload, where
+    llama-server's `-sps 0` RAM cache matches slotkeeper (run it with --slots 4)."""
+    system = "You are a coding agent. " + text(600, "six-agents:system")
+    agents = [ChatClient(f"agent{k}", system, question_words=80,
+                         headers={"x-session-id": f"agent{k}"}) for k in range(1, 7)]
+    for turn in range(1, opts.turns + 1):
+        for agent in agents:
+            req = agent.request(turn)
+            agent.record(req, sender.send(req).content)
+
+
 WORKLOADS: dict[str, Callable[[Sender, Options], None]] = {
+    "six-agents": six_agents,
     "rebuilt-prompt": rebuilt_prompt,
     "early-next-turn": early_next_turn,
     "early-next-turn-ollama": lambda s, o: early_next_turn(s, o, OLLAMA_CHAT),

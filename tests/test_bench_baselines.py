@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from baselinebench import (TARGETS, compare, headers_delta, markdown, pick_targets,  # noqa: E402
                            summarize, table)
-from emulated import body_of  # noqa: E402
+from emulated import WORKLOADS, Options, body_of  # noqa: E402
 from workloads import (OLLAMA_CHAT, ChatClient, ChatUI, RebuiltPromptAgent, SdkAgent,  # noqa: E402
                        SessionAgent, sized, text)
 
@@ -57,6 +57,26 @@ def test_chat_client_extends_its_conversation() -> None:
     assert second.messages[2] == {"role": "assistant", "content": "answer"}
     body = body_of(second)
     assert body["options"] == {"temperature": 0, "num_predict": 32} and body["stream"] is True
+
+
+def test_six_agents_take_turns_round_robin_under_their_own_ids() -> None:
+    """#19 item 4's workload: six `x-session-id` agents, one shared system prompt, each turn
+    extending that agent's own conversation."""
+    class Recorder:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def send(self, req):
+            self.sent.append(req)
+            return type("R", (), {"content": f"reply {len(self.sent)}"})()
+    sender = Recorder()
+    WORKLOADS["six-agents"](sender, Options(turns=3))
+    assert [r.headers["x-session-id"] for r in sender.sent[:7]] == [
+        *(f"agent{k}" for k in range(1, 7)), "agent1"]
+    assert len(sender.sent) == 18 and len({r.messages[0]["content"] for r in sender.sent}) == 1
+    first, second = sender.sent[0], sender.sent[6]
+    assert second.messages[:len(first.messages)] == first.messages
+    assert second.messages[len(first.messages)] == {"role": "assistant", "content": "reply 1"}
 
 
 def test_chat_ui_title_request_carries_the_chat_id_and_its_size() -> None:
