@@ -207,3 +207,11 @@ def test_a_parents_snapshot_is_restored_for_a_fork_only_when_the_server_will_reu
     # A snapshot older than the divergence is all prefix.
     assert policy.prefix_restore_tokens(far, snapshot_tokens=1_000, snapshot_messages=2) == 1_000
     assert policy.prefix_restore_tokens(far, snapshot_tokens=0, snapshot_messages=0) == 0
+    # The system block alone (a memory request's parent, issue #23): within the window of
+    # the snapshot's end, it is restored.
+    block = policy.Prefix("parent", items=1, chars=29_000, parent_chars=29_600)
+    assert policy.prefix_restore_tokens(block, snapshot_tokens=4_727,
+                                        snapshot_messages=1) == 4_727 * 29_000 // 29_600
+    assert policy.prefix_restore_tokens(policy.Prefix("parent", items=0, chars=0,
+                                                      parent_chars=29_600),
+                                        snapshot_tokens=4_727, snapshot_messages=1) == 0

@@ -62,3 +62,23 @@ def test_a_rebuilt_prompt_continues_and_a_new_conversation_forks_from_its_prefix
     assert fork.session_id != first.session_id and not fork.rewrites
     assert fork.prefix is not None and fork.prefix.session == first.session_id
     assert fork.prefix.items == 3  # the system block and the example exchange
+
+
+def test_a_new_opening_starts_from_any_conversation_with_its_long_system_block(tmp_path):
+    """An agent's memory request (a long system prompt, then a transcript that grows: no two
+    share an opening) starts from the last one's prefix, as llama-server's own cache would
+    (issue #23); a short system block is not worth a restore."""
+    s = sessions(tmp_path)  # small requests: under 100 characters
+    memory = {"role": "system", "content": "remember " * 40}
+    first = s.resolve(URL, ask([memory, {"role": "user", "content": "transcript: t1"}]))
+    s.remember(URL, first.session_id, first)
+    second = s.resolve(URL, ask([memory, {"role": "user", "content": "transcript: t1 t2"}]))
+    assert second.session_id != first.session_id
+    assert second.prefix is not None and second.prefix.session == first.session_id
+    assert second.prefix.items == 1 and second.prefix.chars == second.chain_chars[0]
+    assert second.prefix.parent_chars == first.prompt_chars
+    short = {"role": "system", "content": "be brief"}
+    one = s.resolve(URL, ask([short, {"role": "user", "content": "a question " * 20}]))
+    s.remember(URL, one.session_id, one)
+    other = s.resolve(URL, ask([short, {"role": "user", "content": "another one " * 20}]))
+    assert other.session_id != one.session_id and other.prefix is None

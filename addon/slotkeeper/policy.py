@@ -213,7 +213,7 @@ def prefix_restore_tokens(prefix: Prefix, *, snapshot_tokens: int,
     """Tokens a new conversation may reuse from restoring its parent's snapshot (holding
     `snapshot_messages` messages), 0 when the restore would not pay. Tokens are estimated
     from the parent's own characters per token."""
-    if snapshot_tokens <= 0 or prefix.items < 2 or prefix.parent_chars <= 0:
+    if snapshot_tokens <= 0 or prefix.items < 1 or prefix.parent_chars <= 0:
         return 0
     if snapshot_messages <= prefix.items - 1:
         return snapshot_tokens  # the snapshot is all prefix (its reply may differ)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 
 from . import policy
@@ -71,23 +72,26 @@ class Sessions:
         chains = {s: self.chains[s] for s in known if s in self.chains}
         session = policy.resolve_content(ident.session_id, ident.chain, known, chains)
         if session not in known:
-            return self._fork(ident, session, chains, known)
+            return self._fork(url, ident, session, chains, known)
         if policy.extends(ident.chain, known[session]):
             return ident if session == ident.session_id else replace(ident, session_id=session)
         return replace(ident, session_id=session, rewrites=True)
 
-    def _fork(self, ident: Identity, session: str, chains: dict[str, tuple[str, ...]],
-              known: dict[str, Conversation]) -> Identity:
+    def _fork(self, url: str, ident: Identity, session: str,
+              chains: dict[str, tuple[str, ...]], known: dict[str, Conversation]) -> Identity:
         """A new conversation: it may start from the longest prefix another session holds
-        (its parent: the handover restores the parent's snapshot when that pays)."""
-        parent, shared = "", 0
-        for other, chain in chains.items():
-            n = policy.common_prefix(ident.chain, chain)
-            if n > shared:
-                parent, shared = other, n
-        if shared < policy.MIN_CONTINUED_PREFIX or not ident.chain_chars:
+        (its parent: the handover restores the parent's snapshot when that pays). First the
+        conversations of its own opening; failing those, any recent conversation with the same
+        system block when that block is long (an agent's memory request: its 24k-character
+        system prompt and tools, then a transcript that grows each time, so no two share an
+        opening; llama-server's own cache reuses the block, issue #23)."""
+        parent, shared = _longest(ident.chain, chains, policy.MIN_CONTINUED_PREFIX)
+        if not parent and ident.chain_chars and ident.chain_chars[0] >= self.small_request_chars:
+            parent, shared = _longest(ident.chain, self.chains, 1)
+        if not parent or parent == session or not ident.chain_chars:
             return ident if session == ident.session_id else replace(ident, session_id=session)
-        parent_chars = known[parent].chars if parent in known else 0
+        conversation = known.get(parent) or self.conversations.get((url, parent))
+        parent_chars = conversation.chars if conversation is not None else 0
         return replace(ident, session_id=session, prefix=policy.Prefix(
             parent, shared, ident.chain_chars[shared - 1], parent_chars))
 
@@ -218,3 +222,15 @@ def conversation_fields(ident: Identity) -> dict:
     conversation = Conversation.of(ident.chain, ident.seed_key, ident.prompt_chars)
     return {"system_key": conversation.system_key or "", "chain_length": conversation.length,
             "chain_head": conversation.head, "chars": conversation.chars}
+
+
+def _longest(chain: tuple[str, ...], chains: Mapping[str, tuple[str, ...]],
+             at_least: int) -> tuple[str, int]:
+    """The session whose chain shares the most leading items with `chain`, and how many
+    (0 and "" when none shares `at_least`)."""
+    parent, shared = "", at_least - 1
+    for other, theirs in chains.items():
+        n = policy.common_prefix(chain, theirs)
+        if n > shared:
+            parent, shared = other, n
+    return (parent, shared) if parent else ("", 0)
