@@ -89,7 +89,9 @@ def handover_proxy(make_llama, make_proxy, tmp_path: Path, **options: Any):
 
 
 def test_counters_match_a_real_handover_run(make_llama, make_proxy, tmp_path):
-    server, proxy, slots = handover_proxy(make_llama, make_proxy, tmp_path)
+    # keep_prefix off: the two `assigned` handovers erase the slot, so the erase counters run.
+    server, proxy, slots = handover_proxy(make_llama, make_proxy, tmp_path,
+                                          slotkeeper_keep_prefix=False)
     a = Chat("a", long_system_prompt(300, seed=1))
     b = Chat("b", long_system_prompt(300, seed=2))
     responses = [a.ask(proxy.url, "hi"), b.ask(proxy.url, "hi"), a.ask(proxy.url, "more"),

@@ -70,9 +70,10 @@ def _declare_storage(loader) -> None:
     loader.add_option("slotkeeper_min_save_tokens", int, 256,
                       "Sessions with fewer tokens are not saved (re-prefilling them is "
                       "cheap).")
-    loader.add_option("slotkeeper_keep_prefix", bool, False,
-                      "On handover, keep the slot's old content instead of erasing it, so a "
-                      "shared prefix (system prompt) can be reused.")
+    loader.add_option("slotkeeper_keep_prefix", bool, True,
+                      "On a handover with nothing to restore, keep the slot's old content "
+                      "instead of erasing it, so llama-server reuses what the new prompt "
+                      "shares with it (as it would alone); false erases it.")
     loader.add_option("slotkeeper_save_every_tokens", int, 2048,
                       "Save a session that keeps its slot each time it grew by this many "
                       "tokens since its last save.")
