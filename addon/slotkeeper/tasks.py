@@ -29,6 +29,7 @@ from .prompts import REPLY_ROLES
 # conversation's long system prompt is not scanned on every request.
 HEAD_CHARS = 400
 
+_WORDS = ("title", "tags", "follow-up questions")
 _ASK = re.compile(
     r"\btitle generator\b"
     r"|\b(?:generate|create|write|suggest|provide|produce|output|give)\b[^\n.]{0,60}?"
@@ -42,7 +43,14 @@ def asks_for_side_task(*, has_tools: bool, roles: Sequence[str | None],
     head of the system prompt or of the first user message asks for one."""
     if has_tools or any(role in REPLY_ROLES for role in roles):
         return False
-    return bool(_ASK.search(_head(system_parts)) or _ASK.search(_head(first_user_parts)))
+    return _asks(_head(system_parts)) or _asks(_head(first_user_parts))
+
+
+def _asks(head: str) -> bool:
+    # The words first: a substring test is ~20x cheaper than the pattern, which runs on the
+    # hot path's every request otherwise (measured with py-spy on bench-overhead).
+    lowered = head.lower()
+    return any(word in lowered for word in _WORDS) and bool(_ASK.search(head))
 
 
 def _head(parts: Sequence[str]) -> str:
