@@ -88,7 +88,7 @@ def test_content_blocks_map_like_the_servers_converter():
         ]},
         {"role": "assistant"},  # no content: dropped
         {"role": "user"},  # no content: kept as it is (the chat parser rejects it)
-        {"role": "user", "content": [{"type": "unknown"}]},  # nothing convertible: dropped
+        {"role": "user", "content": [{"type": "redacted_thinking", "data": "x"}]},  # dropped
         {"role": "assistant", "content": [{"type": "tool_use", "name": "Bash"}]},
         "not a message",
     ]}
@@ -339,24 +339,26 @@ def test_stream_events_are_the_servers_anthropic_events():
     simplified = [(name, data.get("index"), data.get("delta") or data.get("content_block"))
                   for name, data in events[1:]]
     assert simplified == [
+        # One block at a time, as the Messages API streams them: each stops before the next
+        # starts (a thinking block's signature_delta just before its stop).
         ("content_block_start", 0, {"type": "thinking", "thinking": ""}),
         ("content_block_delta", 0, {"type": "thinking_delta", "thinking": "Let me "}),
         ("content_block_delta", 0, {"type": "thinking_delta", "thinking": "think. é"}),
+        ("content_block_delta", 0, {"type": "signature_delta", "signature": ""}),
+        ("content_block_stop", 0, None),
         ("content_block_start", 1, {"type": "text", "text": ""}),
         ("content_block_delta", 1, {"type": "text_delta", "text": "Listing"}),
         ("ping", None, None),
         ("content_block_delta", 1, {"type": "text_delta", "text": " files."}),
+        ("content_block_stop", 1, None),
         ("content_block_start", 2, {"type": "tool_use", "id": "call_a", "name": "Bash",
                                     "input": {}}),
         ("content_block_delta", 2, {"type": "input_json_delta", "partial_json": '{"command":'}),
         ("content_block_delta", 2, {"type": "input_json_delta", "partial_json": '"ls"}'}),
+        ("content_block_stop", 2, None),
         ("content_block_start", 3, {"type": "tool_use", "id": "call_b", "name": "Read",
                                     "input": {}}),
         ("content_block_delta", 3, {"type": "input_json_delta", "partial_json": "{}"}),
-        ("content_block_delta", 0, {"type": "signature_delta", "signature": ""}),
-        ("content_block_stop", 0, None),
-        ("content_block_stop", 1, None),
-        ("content_block_stop", 2, None),
         ("content_block_stop", 3, None),
         ("message_delta", None, {"stop_reason": "tool_use", "stop_sequence": None}),
         ("message_stop", None, None),
@@ -602,6 +604,36 @@ def test_documents_files_and_tool_errors_are_passed_or_refused():
         {"type": "tool_result", "tool_use_id": "t1", "is_error": True,
          "content": "no such file"}]}]})["messages"]
     assert results == [{"role": "tool", "tool_call_id": "t1", "content": "Error: no such file"}]
+
+
+def test_no_block_is_dropped_in_silence():
+    """#20.11, "never silence": a search result and a document inside a tool result reach the
+    model as text; a block type or image source the translation does not know is refused
+    naming it; an encrypted redacted_thinking block (Anthropic's own models') is the one
+    block left out."""
+    search = {"type": "search_result", "title": "Docs", "source": "https://example.test/a",
+              "content": [{"type": "text", "text": "the answer is 42"}]}
+    doc = {"type": "document", "source": {"type": "text", "data": "file body"}}
+    out = to_chat_request({"messages": [
+        {"role": "user", "content": [search, {"type": "text", "text": "what is it?"}]},
+        {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "xx"},
+                                          {"type": "tool_use", "id": "t1", "name": "read",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [doc, search]}]}]})["messages"]
+    assert out[0]["content"][0] == {"type": "text",
+                                    "text": "Docs\n\nhttps://example.test/a\n\nthe answer is 42"}
+    assert "reasoning_content" not in out[1] and out[1]["tool_calls"][0]["id"] == "t1"
+    assert out[2] == {"role": "tool", "tool_call_id": "t1",
+                      "content": "file body" + out[0]["content"][0]["text"]}
+    for content in ([{"type": "server_tool_use", "id": "s1", "name": "web_search"}],
+                    [{"type": "image", "source": {"type": "s3", "uri": "x"}}],
+                    [{"type": "tool_result", "tool_use_id": "t1",
+                      "content": [{"type": "web_search_result", "url": "u"}]}],
+                    [{"text": "a block without a type"}]):
+        with pytest.raises(anthropic.Unsupported) as refused:
+            to_chat_request({"messages": [{"role": "user", "content": content}]})
+        assert "not supported" in str(refused.value)
 
 
 @pytest.mark.parametrize(("body", "limit", "status", "kind"), [

@@ -162,11 +162,21 @@ def as_the_server_writes(events: list[tuple[str, dict[str, Any]]]
     """slotkeeper's events with what the Messages API documents and llama-server's own writer
     leaves out taken back out (issue #20.9-10): `ping` events, `input: {}` on a tool_use
     block's start, and stop_reason "stop_sequence" (the server says "end_turn" beside the
-    sequence)."""
+    sequence); and each block's stop (with a thinking block's signature) moved from where
+    the API puts it, before the next block starts, to where the server's writer puts every
+    block's: just before message_delta."""
     out = []
+    closing: list[tuple[str, dict[str, Any]]] = []
     for name, data in events:
         if name == "ping":
             continue
+        if name == "content_block_stop" or (
+                name == "content_block_delta" and data["delta"]["type"] == "signature_delta"):
+            closing.append((name, data))
+            continue
+        if name == "message_delta":
+            out += [e for e in closing if e[0] == "content_block_delta"]
+            out += [e for e in closing if e[0] == "content_block_stop"]
         data = copy.deepcopy(data)
         block = data.get("content_block") if name == "content_block_start" else None
         if isinstance(block, dict) and block.get("type") == "tool_use":
@@ -175,6 +185,24 @@ def as_the_server_writes(events: list[tuple[str, dict[str, Any]]]
             data["delta"]["stop_reason"] = "end_turn"
         out.append((name, data))
     return out
+
+
+def assert_one_block_at_a_time(events: list[tuple[str, dict[str, Any]]]) -> None:
+    """The Messages API's order: block i starts, gets its deltas and stops before block i+1
+    starts; every block that starts stops before message_delta."""
+    open_block: int | None = None
+    started = 0
+    for name, data in events:
+        if name == "content_block_start":
+            assert open_block is None and data["index"] == started, (name, data, events)
+            open_block, started = data["index"], started + 1
+        elif name in ("content_block_delta", "content_block_stop"):
+            assert data["index"] == open_block, (name, data, events)
+            if name == "content_block_stop":
+                open_block = None
+        elif name == "message_delta":
+            assert open_block is None, events
+    assert started > 0, events
 
 
 def answers_compared(llama: LlamaServer, proxy_url: str, body: dict[str, Any],
@@ -210,6 +238,7 @@ def answers_compared(llama: LlamaServer, proxy_url: str, body: dict[str, Any],
         assert response.headers["content-type"].startswith("text/event-stream")
         proxy_events = anthropic_events(response)
     assert without_ids(as_the_server_writes(proxy_events)) == without_ids(direct_events)
+    assert_one_block_at_a_time(proxy_events)
     assert [name for name, _ in proxy_events][-2:] == ["message_delta", "message_stop"]
     start = proxy_events[0][1]["message"]["usage"]
     assert start["input_tokens"] + start["cache_read_input_tokens"] == prompt_tokens

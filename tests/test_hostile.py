@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import zlib
+from pathlib import Path
 
 import pytest
 from mitmproxy.test import tflow
@@ -312,3 +313,36 @@ def test_mitmproxys_body_limit_follows_slotkeepers():
         tctx.options.update(body_size_limit="500m")  # the user's own: left alone
         tctx.options.update(slotkeeper_max_body_mb=4)
         assert tctx.options.body_size_limit == "500m"
+
+    # The shipped mitm.conf's value is the default's limit, not the user's: a --set of
+    # slotkeeper_max_body_mb on top of that file still moves it, down and up.
+    limit = BodyLimit()
+    with taddons.context(proxyserver.Proxyserver(), MaxBody(), limit) as tctx:
+        tctx.options.update(body_size_limit="33m")
+        tctx.options.update(slotkeeper_max_body_mb=8)
+        tctx.configure(limit)
+        assert tctx.options.body_size_limit == "9m"
+        tctx.options.update(slotkeeper_max_body_mb=100)
+        assert tctx.options.body_size_limit == "101m"
+
+
+def test_the_shipped_conf_s_body_limit_is_the_default_s():
+    import yaml
+
+    from slotkeeper.guard import limit_for
+
+    conf = yaml.safe_load((Path(__file__).parents[1] / "addon" / "slotkeeper" / "mitm.conf")
+                          .read_text())
+    assert conf["body_size_limit"] == limit_for(conf["slotkeeper_max_body_mb"])
+
+
+def test_the_upstream_key_option_comes_before_the_environment(monkeypatch):
+    from types import SimpleNamespace
+
+    from slotkeeper.settings import upstream_key_of
+
+    monkeypatch.delenv("SLOTKEEPER_UPSTREAM_API_KEY", raising=False)
+    assert upstream_key_of(SimpleNamespace(slotkeeper_upstream_api_key="")) == ""
+    monkeypatch.setenv("SLOTKEEPER_UPSTREAM_API_KEY", "from-env")
+    assert upstream_key_of(SimpleNamespace(slotkeeper_upstream_api_key="")) == "from-env"
+    assert upstream_key_of(SimpleNamespace(slotkeeper_upstream_api_key="opt")) == "opt"

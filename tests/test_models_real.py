@@ -6,7 +6,10 @@ model comes back. The same conversation straight to the router re-prefills from 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,8 @@ from router_testbed import RouterServer
 from testbed import chat, long_system_prompt
 
 TIMEOUT_S = 900
+RECORDING_ADDON = Path(__file__).parent / "recording_addon.py"
+SLOTKEEPER = Path(sys.executable).parent / "slotkeeper"
 OPTIONS = {"slotkeeper_small_request_chars": 0, "slotkeeper_idle_save_seconds": 0}
 
 
@@ -69,11 +74,19 @@ def run_two_models(url: str, seed: int) -> dict[str, Any]:
     return {"third": plain_turn(url, f"a-{seed}", "model-a", a[2])}
 
 
+def recorded_flows(path: Path) -> list[dict[str, Any]]:
+    """The flows tests/recording_addon.py wrote, completion requests only, in order."""
+    flows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [f for f in flows if f["path"] in ("/v1/chat/completions", "/v1/messages")]
+
+
 def test_a_session_survives_its_model_being_swapped_out(make_router, make_proxy,
                                                         tmp_path: Path) -> None:
     slots = tmp_path / "slots"
+    records = tmp_path / "flows.jsonl"
     router: RouterServer = make_router(models_max=1, np=2, ctx=8192, slot_save_path=slots)
-    proxy = make_proxy(router, slotkeeper_slot_dir=str(slots), **OPTIONS)
+    proxy = make_proxy(router, script=RECORDING_ADDON, flow_record_file=str(records),
+                       slotkeeper_slot_dir=str(slots), **OPTIONS)
 
     through = run_two_models(proxy.url, seed=1)["third"]
     assert through.headers["X-Slotkeeper-Action"] == "restored", through.headers
@@ -97,6 +110,25 @@ def test_a_session_survives_its_model_being_swapped_out(make_router, make_proxy,
     assert swap_saves.get("model-a", 0) >= 1 and swap_saves.get("model-b", 0) >= 1, swap_saves
     assert re.search(r'^slotkeeper_session_model\{model="model-a",resident="true",'
                      r'session="a-1"\} 1\.0$', metrics, re.M), metrics
+
+    # mitmweb's comment: the flow that made a model go says whose sessions were saved first
+    # (B's first turn, through /v1/messages, saved A; A's third saved B).
+    flows = recorded_flows(records)
+    assert [f["slotkeeper"]["session"] for f in flows] == ["a-1", "a-1", "b-1", "b-1", "a-1"]
+    b_first, a_third = flows[2], flows[4]
+    assert b_first["path"] == "/v1/messages"
+    assert "[model-b]" in b_first["comment"], b_first["comment"]
+    assert "swap-saved model-a" in b_first["comment"], b_first["comment"]
+    assert "swap-saved model-b" in a_third["comment"], a_third["comment"]
+    assert a_third["comment"].startswith("a-1 #"), a_third["comment"]
+    assert a_third["slotkeeper"]["model"] == "model-a"
+
+    # `slotkeeper status` names each upstream's model.
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}
+    done = subprocess.run([str(SLOTKEEPER), "status", "--proxy", proxy.url], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert ", model model-a" in done.stdout, done.stdout
 
     # The same conversation (other words, so nothing of the run above is reused) straight
     # to the router: model-a's slots went with it, A's 3rd turn prefills everything again.

@@ -299,6 +299,19 @@ def test_parallel_calls_to_one_tool_get_their_results_in_order():
     ids = [c["id"] for c in messages[1]["tool_calls"]]
     assert len(set(ids)) == 2
     assert [m["tool_call_id"] for m in messages[2:]] == ids
+    # With ids (LangChain's ChatOllama sends them), results in another order than their
+    # calls still answer their own call.
+    with_ids = {**body, "messages": [
+        body["messages"][0],
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "id": "call_paris"},
+                                                            {**other, "id": "call_rome"}]},
+        {"role": "tool", "tool_name": "get_weather", "tool_call_id": "call_rome",
+         "content": "rainy"},
+        {"role": "tool", "tool_name": "get_weather", "tool_call_id": "call_paris",
+         "content": "sunny"}]}
+    messages = ollama_requests.chat_request(with_ids).body["messages"]
+    assert [(m["tool_call_id"], m["content"]) for m in messages[2:]] == [
+        ("call_rome", "rainy"), ("call_paris", "sunny")]
 
 
 def test_generate_goes_through_the_template_and_returns_a_context():
@@ -375,6 +388,17 @@ def test_show_without_the_file_still_leads_to_the_context_size():
                                      "m", ModelFiles())
     info = show["model_info"]
     assert info[f"{info['general.architecture']}.context_length"] == 256
+    # A remote server's file is not here: the parameter count comes from its /v1/models,
+    # so /api/show says what /api/tags says (issue #20.1).
+    models = {"data": [{"id": "/not/here.gguf", "meta": {"n_params": 268_098_176}}]}
+    files = ModelFiles()
+    files.remember_served("/not/here.gguf", ollama_models.served_meta(models))
+    remote = ollama_models.show_answer({"model_path": "/not/here.gguf"}, "m", files)
+    listed = ollama_models.tags_answer(models, files)["models"][0]["details"]
+    assert remote["details"]["parameter_size"] == listed["parameter_size"] == "268M"
+    assert remote["model_info"]["general.parameter_count"] == 268_098_176
+    assert ollama_models.served_meta({"data": [{"id": "a", "meta": {"n_params": 1}},
+                                               {"id": "b", "meta": {"n_params": 2}}]}) == {}
     first = ollama_models.tags_answer({"data": [{"id": "alias", "meta": {}}]}, files := ModelFiles())
     again = ollama_models.tags_answer({"data": [{"id": "alias", "meta": {}}]}, files)
     assert first["models"][0]["modified_at"] == again["models"][0]["modified_at"]

@@ -24,6 +24,7 @@ and `Unsupported`, both answered with Anthropic's error shape.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from .bodies import route_of
@@ -239,12 +240,13 @@ def _convert_message(message: object) -> list[Any]:
             parts.append(block)  # as is: the chat parser reads its text
         elif kind == "thinking":
             reasoning += jstr(block, "thinking")
+        elif kind == "redacted_thinking":
+            pass  # encrypted by Anthropic for its own models: nothing a local model can read
         elif kind == "image":
-            url = _image_url(jany(block, "source", {}))
-            if url is not None:
-                parts.append({"type": "image_url", "image_url": {"url": url}})
-        elif kind == "document":
-            parts.append({"type": "text", "text": _document_text(block)})
+            parts.append({"type": "image_url",
+                          "image_url": {"url": _image_url(jany(block, "source", {}))}})
+        elif kind in READ_AS_TEXT:
+            parts.append({"type": "text", "text": READ_AS_TEXT[kind](block)})
         elif kind == "tool_use":
             tool_calls.append({"id": jstr(block, "id"), "type": "function", "function": {
                 "name": jstr(block, "name"), "arguments": _dump(jany(block, "input", {}))}})
@@ -254,6 +256,8 @@ def _convert_message(message: object) -> list[Any]:
                 result = _marked_error(result)
             tool_results.append({"role": "tool", "tool_call_id": jstr(block, "tool_use_id"),
                                  "content": result})
+        else:
+            raise _unknown_block(kind)
     out: list[Any] = []
     if parts or tool_calls or reasoning:
         converted: dict[str, Any] = {"role": role, "content": parts if parts else ""}
@@ -265,7 +269,15 @@ def _convert_message(message: object) -> list[Any]:
     return out + tool_results
 
 
-def _image_url(source: object) -> str | None:
+def _unknown_block(kind: str) -> Unsupported:
+    """A block this translation cannot pass on (a server tool's, or one newer than it): the
+    request is refused naming it, never sent with the block left out."""
+    return Unsupported(f"content block type {kind!r} is not supported by this server (it "
+                       f"takes text, image, document, search_result, thinking, tool_use and "
+                       f"tool_result blocks)")
+
+
+def _image_url(source: object) -> str:
     kind = jstr(source, "type")
     if kind == "base64":
         media_type = jstr(source, "media_type", "image/jpeg")
@@ -275,7 +287,8 @@ def _image_url(source: object) -> str | None:
     if kind == "file":
         raise Unsupported("image source type 'file' (the Files API) is not supported by this "
                           "server: send the image as base64 or a URL")
-    return None
+    raise Unsupported(f"image source type {kind!r} is not supported by this server: send the "
+                      f"image as base64 or a URL")
 
 
 ERROR_MARK = "Error: "  # a tool_result with is_error: the chat form has no field for it
@@ -308,6 +321,21 @@ def _document_text(block: dict[str, Any]) -> str:
     return "\n\n".join([part for part in head if part] + [body])
 
 
+def _search_result_text(block: dict[str, Any]) -> str:
+    """A `search_result` block (a RAG tool's hit) as text: its title and source, then its
+    text blocks. Citations have no counterpart here; the text itself reaches the model."""
+    content = jany(block, "content", [])
+    body = "\n".join(jstr(item, "text") for item in (content if isinstance(content, list) else [])
+                     if jstr(item, "type") == "text")
+    head = [jstr(block, "title"), jstr(block, "source")]
+    return "\n\n".join([part for part in head if part] + [body])
+
+
+# Blocks the server cannot take as they are but whose text it can read.
+READ_AS_TEXT: dict[str, Callable[[dict[str, Any]], str]] = {
+    "document": _document_text, "search_result": _search_result_text}
+
+
 def _tool_result_content(content: object) -> Any:
     """A string stays; text blocks are joined into one string; with any image the blocks stay
     a list of chat content parts; anything else is ""."""
@@ -326,9 +354,14 @@ def _tool_result_content(content: object) -> Any:
             parts.append({"type": "text", "text": piece})
         elif kind == "image":
             has_images = True
-            url = _image_url(jany(item, "source", {}))
-            if url is not None:
-                parts.append({"type": "image_url", "image_url": {"url": url}})
+            parts.append({"type": "image_url",
+                          "image_url": {"url": _image_url(jany(item, "source", {}))}})
+        elif kind in READ_AS_TEXT:
+            piece = READ_AS_TEXT[kind](item)
+            text += piece
+            parts.append({"type": "text", "text": piece})
+        else:
+            raise _unknown_block(kind)
     return parts if has_images else text
 
 

@@ -102,14 +102,20 @@ def sse_event(name: str, data: dict[str, Any]) -> bytes:
 PING = sse_event("ping", {"type": "ping"})
 
 
+THINKING, TEXT = "thinking", "text"  # keys of the open block (a tool's is ("tool", n))
+
+
 class StreamTranslator:
     """llama-server's chat completion SSE stream -> the Anthropic event stream its own
     `/v1/messages` writer produces, one chunk at a time (nothing is held back beyond a partial
     line). Call it with each chunk as it arrives and with b"" once at the end.
 
-    Block indices are given in order of first appearance (thinking, text, tool_use: the order
-    the server's parser produces, where this equals the server's fixed scheme), and every block
-    is closed at the end, in that order, as the server's final event does."""
+    One content block is open at a time, as the Messages API streams them: a block starts when
+    its first delta arrives and stops when another starts or the answer ends (a thinking block
+    gets its empty signature_delta just before it stops). Indices count up in that order:
+    thinking, text, then each tool_use, the order the server's parser produces. llama-server's
+    own /v1/messages writer instead keeps every block open until its final event; clients that
+    follow the API's documented order see no difference here."""
 
     def __init__(self) -> None:
         self._lines = SseLines()
@@ -117,9 +123,7 @@ class StreamTranslator:
         self._started = False
         self._finished = False
         self._next_index = 0
-        self._thinking_index: int | None = None
-        self._text_index: int | None = None
-        self._tool_indices: dict[int, int] = {}  # tool call index -> content block index
+        self._open: tuple[object, int] | None = None  # the open block: its key and index
 
     @property
     def finished(self) -> bool:
@@ -187,18 +191,15 @@ class StreamTranslator:
         choices = event.get("choices")
         choice = choices[0] if isinstance(choices, list) and choices else {}
         delta = jany(choice, "delta", {})
-        out = []
+        out: list[bytes] = []
         reasoning = jstr(delta, "reasoning_content")
         if reasoning:
-            if self._thinking_index is None:
-                self._thinking_index = self._open({"type": "thinking", "thinking": ""}, out)
-            out.append(self._delta(self._thinking_index,
-                                   {"type": "thinking_delta", "thinking": reasoning}))
+            index = self._block(THINKING, {"type": "thinking", "thinking": ""}, out)
+            out.append(self._delta(index, {"type": "thinking_delta", "thinking": reasoning}))
         text = jstr(delta, "content")
         if text:
-            if self._text_index is None:
-                self._text_index = self._open({"type": "text", "text": ""}, out)
-            out.append(self._delta(self._text_index, {"type": "text_delta", "text": text}))
+            index = self._block(TEXT, {"type": "text", "text": ""}, out)
+            out.append(self._delta(index, {"type": "text_delta", "text": text}))
         calls = delta.get("tool_calls") if isinstance(delta, dict) else None
         for call in calls if isinstance(calls, list) else []:
             out.append(self._tool_call(call))
@@ -207,12 +208,30 @@ class StreamTranslator:
             out.append(self._finish(finish, event))
         return b"".join(out)
 
-    def _open(self, block: dict[str, Any], out: list[bytes]) -> int:
+    def _block(self, key: object, block: dict[str, Any], out: list[bytes]) -> int:
+        """The index of the open block for `key`; if another is open, it stops first and
+        this one starts."""
+        if self._open is not None and self._open[0] == key:
+            return self._open[1]
+        self._stop_open(out)
         index = self._next_index
         self._next_index += 1
         out.append(sse_event("content_block_start", {"type": "content_block_start",
                                                      "index": index, "content_block": block}))
+        self._open = (key, index)
         return index
+
+    def _stop_open(self, out: list[bytes]) -> None:
+        if self._open is None:
+            return
+        key, index = self._open
+        if key == THINKING:
+            # Anthropic clients expect a signature before a thinking block stops; a local model
+            # has none (the server sends an empty one too).
+            out.append(self._delta(index, {"type": "signature_delta", "signature": ""}))
+        out.append(sse_event("content_block_stop", {"type": "content_block_stop",
+                                                    "index": index}))
+        self._open = None
 
     @staticmethod
     def _delta(index: int, delta: dict[str, Any]) -> bytes:
@@ -223,27 +242,19 @@ class StreamTranslator:
         number = jint(call, "index", 0)
         function = jany(call, "function", {})
         out: list[bytes] = []
-        if number not in self._tool_indices:
-            self._tool_indices[number] = self._open(
-                {"type": "tool_use", "id": jstr(call, "id"), "name": jstr(function, "name"),
-                 "input": {}}, out)
+        index = self._block(("tool", number), {
+            "type": "tool_use", "id": jstr(call, "id"), "name": jstr(function, "name"),
+            "input": {}}, out)
         arguments = jstr(function, "arguments")
         if arguments:
-            out.append(self._delta(self._tool_indices[number],
-                                   {"type": "input_json_delta", "partial_json": arguments}))
+            out.append(self._delta(index, {"type": "input_json_delta",
+                                           "partial_json": arguments}))
         return b"".join(out)
 
     def _finish(self, finish_reason: object, event: dict[str, Any]) -> bytes:
         self._finished = True
-        out = []
-        if self._thinking_index is not None:
-            # Anthropic clients expect a signature before a thinking block closes; a local model
-            # has none (the server sends an empty one too).
-            out.append(self._delta(self._thinking_index,
-                                   {"type": "signature_delta", "signature": ""}))
-        for index in self._open_blocks():
-            out.append(sse_event("content_block_stop",
-                                 {"type": "content_block_stop", "index": index}))
+        out: list[bytes] = []
+        self._stop_open(out)
         timings = jany(event, "timings", {})
         usage = jany(event, "usage", {})
         output_tokens = jint(timings, "predicted_n", jint(usage, "completion_tokens", 0))
@@ -254,12 +265,6 @@ class StreamTranslator:
         }))
         out.append(sse_event("message_stop", {"type": "message_stop"}))
         return b"".join(out)
-
-    def _open_blocks(self) -> list[int]:
-        thinking = [] if self._thinking_index is None else [self._thinking_index]
-        text = [] if self._text_index is None else [self._text_index]
-        tools = [self._tool_indices[n] for n in sorted(self._tool_indices)]
-        return thinking + text + tools
 
     def _end(self) -> bytes:
         if self._finished:

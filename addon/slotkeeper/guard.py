@@ -147,8 +147,10 @@ class BodyLimit:
     any addon sees it: a 200 MB body cost 200 MB of the proxy's memory just to be refused.
     The limit is 1 MiB above slotkeeper's: a body just over slotkeeper's limit still gets its
     JSON 413 naming the option; anything larger is refused by mitmproxy (413) as it arrives.
-    A body_size_limit the user set is left alone. Listed after SlotKeeper, which declares
-    and checks slotkeeper_max_body_mb."""
+    A body_size_limit the user set is left alone; the shipped mitm.conf's (the default
+    slotkeeper_max_body_mb's limit) is not the user's, so `--set slotkeeper_max_body_mb=N`
+    with that file still moves it. Listed after SlotKeeper, which declares and checks
+    slotkeeper_max_body_mb."""
 
     def __init__(self) -> None:
         self.ours: str | None = None  # the value this addon set, so it may change it again
@@ -158,8 +160,9 @@ class BodyLimit:
         if opts.slotkeeper_max_body_mb < 1:
             return  # refused by SlotKeeper.configure
         current = opts.body_size_limit
-        want = f"{opts.slotkeeper_max_body_mb + 1}m"
-        if current is not None and current != self.ours:
+        want = limit_for(opts.slotkeeper_max_body_mb)
+        shipped = limit_for(opts.default("slotkeeper_max_body_mb"))
+        if current is not None and current not in (self.ours, shipped):
             if human.parse_size(current) < human.parse_size(want):
                 log.warning("body_size_limit %s is below slotkeeper_max_body_mb (%d MiB): "
                             "mitmproxy refuses bodies slotkeeper would take; set it to %s",
@@ -168,3 +171,8 @@ class BodyLimit:
         if current != want:
             self.ours = want
             opts.update(body_size_limit=want)
+
+
+def limit_for(max_body_mb: int) -> str:
+    """mitmproxy's body_size_limit for slotkeeper_max_body_mb: 1 MiB above it."""
+    return f"{max_body_mb + 1}m"

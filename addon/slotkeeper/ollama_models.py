@@ -26,6 +26,17 @@ class ModelFiles:
         self._lock = threading.Lock()
         self._meta: dict[tuple[str, int, int], dict[str, Any]] = {}
         self._first_seen: dict[str, float] = {}
+        # What llama-server's /v1/models says of the model at a path (n_params, size, ...):
+        # /api/show reads /props, which does not say it, and a remote server's file is not here.
+        self._served: dict[str, dict[str, Any]] = {}
+
+    def remember_served(self, path: str, meta: dict[str, Any]) -> None:
+        with self._lock:
+            self._served[path] = meta
+
+    def served(self, path: str) -> dict[str, Any]:
+        with self._lock:
+            return self._served.get(path, {})
 
     def _stat(self, path: str) -> os.stat_result | None:
         try:
@@ -117,6 +128,13 @@ def _models(data: Any) -> list[tuple[str, dict[str, Any], int]]:
     return out
 
 
+def served_meta(models: Any) -> dict[str, Any]:
+    """The `meta` of the model a single llama-server serves, from its /v1/models answer ({}
+    when it lists none, or several: a router's models are not one file)."""
+    rows = _models(models)
+    return rows[0][1] if len(rows) == 1 else {}
+
+
 def _iso(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, UTC).isoformat().replace("+00:00", "Z")
 
@@ -158,7 +176,7 @@ def show_answer(props: Any, requested: str, files: ModelFiles) -> dict[str, Any]
     n_ctx = int(settings.get("n_ctx", 0) or 0)
     path = props.get("model_path") if isinstance(props.get("model_path"), str) else ""
     header = files.metadata(path)
-    meta = {"ftype": props.get("model_ftype")}
+    meta = {**files.served(path), "ftype": props.get("model_ftype")}
     return {
         "license": header.get("general.license", "") if isinstance(
             header.get("general.license"), str) else "",

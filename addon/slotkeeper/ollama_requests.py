@@ -207,12 +207,15 @@ def _tool_calls_out(calls: Any, turn: int) -> list[dict[str, Any]]:
     return out
 
 
-def _answered_call(pending: list[dict[str, Any]], name: Any) -> dict[str, Any] | None:
-    """The call a tool result answers: Ollama's results carry only the tool's name, in the
-    order of the calls, so the first call of that name not yet answered (any unanswered call
-    when the name matches none). Answered calls are taken out of `pending`."""
-    call = next((c for c in pending if c["function"]["name"] == name),
-                pending[0] if pending else None)
+def _answered_call(pending: list[dict[str, Any]], name: Any,
+                   call_id: Any = None) -> dict[str, Any] | None:
+    """The call a tool result answers: the one whose id it names, when a client sends one
+    (LangChain's ChatOllama sends `tool_call_id`, not Ollama's); else, as Ollama's results
+    carry only the tool's name in the order of the calls, the first call of that name not yet
+    answered (any unanswered call when the name matches none). Answered calls are taken out
+    of `pending`."""
+    call = next((c for c in pending if call_id and c["id"] == call_id), None) or next(
+        (c for c in pending if c["function"]["name"] == name), pending[0] if pending else None)
     if call is not None:
         pending.remove(call)
     return call
@@ -252,7 +255,7 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
                 mapped["reasoning_content"] = thinking
         if role == "tool":
             name = message.get("tool_name") or message.get("name")
-            call = _answered_call(pending_calls, name)
+            call = _answered_call(pending_calls, name, message.get("tool_call_id"))
             if call is not None:
                 mapped["tool_call_id"] = call["id"]
             if isinstance(name, str):

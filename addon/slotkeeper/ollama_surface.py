@@ -202,7 +202,7 @@ class OllamaSurface:
         url = _server_url(flow)
         if url not in self._warmed:
             self._warmed.add(url)
-            await self._run(_read_model_file, url, self.files)
+            await self._run(_read_model_facts, url, self.files)
 
     async def _run(self, func: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, func, *args)
@@ -299,14 +299,21 @@ def _json_of(r: requests.Response, path: str) -> Any:
         raise OllamaError(502, f"llama-server's {path} answer is not JSON") from None
 
 
-def _read_model_file(url: str, files: ModelFiles) -> None:
+def _read_model_facts(url: str, files: ModelFiles) -> None:
+    """The model's GGUF header (when its file is on this machine) and what /v1/models says of
+    it (the parameter count, also for a remote server), into `files`."""
     try:
         props = requests.get(url + "/props", timeout=UPSTREAM_TIMEOUT_S).json()
+        models = requests.get(url + "/v1/models", timeout=UPSTREAM_TIMEOUT_S).json()
     except (requests.RequestException, ValueError):
         return  # the listing's own request to the server will say what is wrong
     path = props.get("model_path") if isinstance(props, dict) else None
-    if isinstance(path, str):
-        files.metadata(path)
+    if not isinstance(path, str):
+        return
+    files.metadata(path)
+    served = ollama_models.served_meta(models)
+    if served:
+        files.remember_served(path, served)
 
 
 def tokenize(url: str, text: str, add_special: bool) -> list[int]:
