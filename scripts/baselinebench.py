@@ -152,7 +152,25 @@ def compare(workload: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["slotkeeper_later_at_most_best"] = (
             s["later_prompt_n"] is not None
             and s["later_prompt_n"] <= out["best_baseline_later_prompt_n"])
+        # The same judged over each run's own minimum: at temperature 0 a reply can still differ
+        # by a token between targets (a restored slot's numbers are not bit-identical to a
+        # batch's), which changes the later prompts' sizes, and the minimum with them.
+        excess = {name: later_excess(run["summary"]) for name, run in baselines.items()}
+        known = [value for value in excess.values() if value is not None]
+        mine_excess = later_excess(s)
+        if known:
+            out["best_baseline_later_excess"] = min(known)
+            out["slotkeeper_later_excess"] = mine_excess
+            out["slotkeeper_excess_at_most_best"] = (mine_excess is not None
+                                                     and mine_excess <= min(known))
     return out
+
+
+def later_excess(summary: dict[str, Any]) -> int | None:
+    """Later-turn tokens prefilled beyond the minimum (None: not known)."""
+    if summary.get("later_prompt_n") is None or summary.get("later_minimum") is None:
+        return None
+    return summary["later_prompt_n"] - summary["later_minimum"]
 
 
 def fmt(value: Any) -> str:

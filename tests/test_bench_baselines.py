@@ -180,6 +180,15 @@ def test_compare_names_the_best_baseline_and_slotkeepers_ratios() -> None:
                    "slotkeeper": run(200, 900, 1.52)})
     assert got["best_baseline_later"] == "llama-sps0"
     assert got["slotkeeper_later_at_most_best"] is False
+    assert (got["best_baseline_later_excess"], got["slotkeeper_later_excess"]) == (90, 190)
+    assert got["slotkeeper_excess_at_most_best"] is False
+    # One token more in the conversation (a reply one token longer) is not one token worse:
+    # judged over each run's own minimum.
+    longer = [row("a", 1, "main", 500, 500), row("a", 2, "main", 101, 11)]
+    equal = compare({"llama-sps0": run(100, 700, 0.02),
+                     "slotkeeper": {"summary": summarize(longer, 601), "requests": longer}})
+    assert equal["slotkeeper_later_at_most_best"] is False
+    assert equal["slotkeeper_excess_at_most_best"] is True
     assert got["llama-default"]["later_prompt_n_ratio"] == 0.5
     assert got["llama-sps0"]["server_prefilled_ratio"] == round(900 / 700, 3)
     assert got["llama-sps0"]["headers_max_delta"]["delta_s"] == 1.5
