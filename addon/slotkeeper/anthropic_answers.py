@@ -106,9 +106,10 @@ THINKING, TEXT = "thinking", "text"  # keys of the open block (a tool's is ("too
 
 
 class StreamTranslator:
-    """llama-server's chat completion SSE stream -> the Anthropic event stream its own
-    `/v1/messages` writer produces, one chunk at a time (nothing is held back beyond a partial
-    line). Call it with each chunk as it arrives and with b"" once at the end.
+    """llama-server's chat completion SSE stream -> the Messages API's event stream (the events
+    llama-server's own `/v1/messages` writer sends, in the API's order), one chunk at a time
+    (nothing is held back beyond a partial line). Call it with each chunk as it arrives and
+    with b"" once at the end.
 
     One content block is open at a time, as the Messages API streams them: a block starts when
     its first delta arrives and stops when another starts or the answer ends (a thinking block
