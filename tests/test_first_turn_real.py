@@ -281,3 +281,37 @@ def test_memory_requests_after_each_turn_become_one_offs_and_leave_no_files(
     assert owners == {"agent-7"}, current
     metas = [json.loads(p.read_text()) for p in slots.glob("*.json")]
     assert {m["session_id"] for m in metas} == {"agent-7"}, metas
+
+
+def test_a_memory_one_off_starts_from_the_previous_memory_request(make_llama, make_proxy,
+                                                                    tmp_path):
+    """An agent's memory request grows by a turn each time (its transcript), so the third one
+    shares all of the second's prompt. When the third is a one-off (no claim), it still starts
+    from the second's snapshot, restored onto its side slot before that snapshot is removed
+    as a leftover: what llama-server's own RAM cache gives it. Here the cache is off
+    (--cache-ram 0) and there is one slot, which the agent's own turns take back by restores
+    in between, so nothing else holds those tokens (the final mixed-agents bench prefilled 105
+    tokens more than -sps 0 without this)."""
+    slots = tmp_path / "slots"
+    server = make_llama(np=1, ctx=4096, slot_save_path=slots, extra=["--cache-ram", "0"])
+    proxy = make_proxy(server, slotkeeper_slot_dir=str(slots), slotkeeper_idle_save_seconds=1)
+    agent = Conversation("agent-7", long_system_prompt(400, seed=260))
+    memory_system = "You keep the user's memory file. " + long_system_prompt(400, seed=261)
+    answers = []
+    for turn in range(3):
+        agent.ask(proxy.url, f"Step {turn}: what does pytest -x do?")
+        transcript = " ".join(m["content"] for m in agent.messages)
+        r = requests.post(proxy.url + "/v1/chat/completions", timeout=600, json={
+            "messages": [{"role": "system", "content": memory_system},
+                         {"role": "user", "content": f"Update the memory from: {transcript}"}],
+            "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text[:300]
+        answers.append(r)
+        time.sleep(2.5)  # idle saves of whatever owns the slot
+    actions = [r.headers["X-Slotkeeper-Action"] for r in answers]
+    timings = [r.json()["timings"] for r in answers]
+    assert actions[2] == "side", actions
+    second_prompt = timings[1]["cache_n"] + timings[1]["prompt_n"]
+    assert timings[2]["cache_n"] >= 0.9 * second_prompt, (actions, timings)
+    metas = [json.loads(p.read_text()) for p in slots.glob("*.json")]
+    assert {m["session_id"] for m in metas} == {"agent-7"}, metas  # the leftovers are gone

@@ -77,6 +77,11 @@ def test_a_new_opening_starts_from_any_conversation_with_its_long_system_block(t
     assert second.prefix is not None and second.prefix.session == first.session_id
     assert second.prefix.items == 1 and second.prefix.chars == second.chain_chars[0]
     assert second.prefix.parent_chars == first.prompt_chars
+    # The third shares only the block with both earlier ones: it starts from the latest,
+    # whose transcript it extends (the first one's would give it less).
+    s.remember(URL, second.session_id, second)
+    third = s.resolve(URL, ask([memory, {"role": "user", "content": "transcript: t1 t2 t3"}]))
+    assert third.prefix is not None and third.prefix.session == second.session_id
     short = {"role": "system", "content": "be brief"}
     one = s.resolve(URL, ask([short, {"role": "user", "content": "a question " * 20}]))
     s.remember(URL, one.session_id, one)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from . import metrics
 from .bodies import Timings
@@ -43,16 +44,17 @@ class FirstTurns:
 
     # ---- before: one-offs ----------------------------------------------------------------------
 
-    def one_off(self, url: str, ident: Identity) -> bool:
-        """A new conversation's request that will not be continued: placed without a claim.
-        When its system prompt just turned out to be one of one-offs, what earlier requests
-        with it left is removed now."""
+    def one_off(self, url: str, ident: Identity) -> Callable[[], None] | None:
+        """A new conversation's request that will not be continued (placed without a claim):
+        then what removes what earlier requests with its system prompt left, for the walk to
+        call once the request has started from what it could use of them (its parent's
+        snapshot, issue #23: an agent's memory requests grow by a turn each). None: not a
+        one-off."""
         if not self.habits.is_one_off(system_key=ident.seed_key,
                                       opening=talk_of(ident.rule, ident.session_id),
                                       session_id=ident.session_id):
-            return False
-        self._drop_leftovers(url, ident.seed_key)
-        return True
+            return None
+        return lambda: self._drop_leftovers(url, ident.seed_key)
 
     def _drop_leftovers(self, url: str, seed_key: str | None) -> None:
         """Their snapshots, the prompt's seed and their claims will never be restored: removed

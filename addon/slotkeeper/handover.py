@@ -114,6 +114,16 @@ class Handover:
                      f"{restored:,} tokens)")
         return expected
 
+    def start_from_prefix(self, info: UpstreamInfo, ident: Identity, slot: int) -> str:
+        """A one-off on a slot it does not claim (displaced first): its parent's snapshot
+        restored there when the server will reuse it, as llama-server's own cache gives a
+        request the longest prefix it holds. What was done, for the route's detail."""
+        if info.client.slot_actions_disabled:
+            return ""
+        notes: list[str] = []
+        self._restore_prefix(info, ident, slot, notes)
+        return "; ".join(notes)
+
     def displace(self, url: str, info: UpstreamInfo, slot: int, session: str | None,
                  live_tokens: int, save: bool = True) -> str:
         """A request that is not the owner's is about to run on `slot`: save the owner's KV

@@ -227,10 +227,12 @@ def conversation_fields(ident: Identity) -> dict:
 def _longest(chain: tuple[str, ...], chains: Mapping[str, tuple[str, ...]],
              at_least: int) -> tuple[str, int]:
     """The session whose chain shares the most leading items with `chain`, and how many
-    (0 and "" when none shares `at_least`)."""
+    (0 and "" when none shares `at_least`). Among equals the one written last (`chains` is
+    oldest first): an agent's memory requests all share only their system block with the
+    next, and the latest holds the most of the next one's transcript."""
     parent, shared = "", at_least - 1
     for other, theirs in chains.items():
         n = policy.common_prefix(chain, theirs)
-        if n > shared:
+        if n >= shared and n >= at_least:
             parent, shared = other, n
     return (parent, shared) if parent else ("", 0)

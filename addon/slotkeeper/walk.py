@@ -33,7 +33,8 @@ class Walk:
                  clock: Callable[[], float], upstreams: Upstreams, sessions: Sessions,
                  handover: Handover, saves: Saves,
                  placeable: Callable[[str], bool],
-                 one_off: Callable[[str, Identity], bool] = lambda url, ident: False) -> None:
+                 one_off: Callable[[str, Identity], Callable[[], None] | None] = (
+                     lambda url, ident: None)) -> None:
         self.config = config
         self.state = state
         self.locks = locks
@@ -43,7 +44,9 @@ class Walk:
         self.handover = handover
         self.saves = saves
         self.placeable = placeable  # the pool's verdict on another server
-        self.one_off = one_off  # a new request that will not be continued (firstturns, #23)
+        # A new request that will not be continued (firstturns, #23): what removes its
+        # system prompt's leftovers, or None.
+        self.one_off = one_off
 
     def keep(self, url: str, ident: Identity, running: int) -> Route | None:
         """The fast path: a session that owns its slot keeps it. A stat of the state file and
@@ -83,8 +86,12 @@ class Walk:
         if kind == policy.SIDE:
             return self._side(url, info, ident, slots,
                               "side task" if ident.side_task else "side request")
-        if owned is None and self.one_off(url, ident):
-            return self._side(url, info, ident, slots, "one-off")
+        drop_leftovers = self.one_off(url, ident) if owned is None else None
+        if drop_leftovers is not None:
+            try:
+                return self._side(url, info, ident, slots, "one-off", from_prefix=True)
+            finally:
+                drop_leftovers()
         # Remembered before the handover: a request of the session arriving meanwhile must be
         # judged against this conversation.
         self.sessions.remember(url, ident.session_id, ident)
@@ -201,11 +208,14 @@ class Walk:
             return route, False
 
     def _side(self, url: str, info: UpstreamInfo, ident: Identity,
-              slots: list[SlotView], why: str = "side request") -> Route:
+              slots: list[SlotView], why: str = "side request",
+              from_prefix: bool = False) -> Route:
         """A side request (a small prompt, or not the session's conversation) goes to the best
         slot without claiming it, and never to its own session's slot while another is free.
         If that slot belongs to a session, its KV is saved first (when it is worth it) and the
-        claim is marked stale, so the owner is restored on its next request."""
+        claim is marked stale, so the owner is restored on its next request. `from_prefix`
+        (a one-off): the slot first gets its parent's snapshot when the server will reuse it,
+        as a new conversation's handover does."""
         up = self.state.read().upstreams.get(url)
         claims = up.claims() if up else {}
         ranking = self._ranking(slots, claims,
@@ -224,6 +234,9 @@ class Walk:
             detail = f"{why}, slot not claimed"
             note = self.handover.displace(url, info, slot, None, tokens_in(slots, slot))
             detail += f"; {note}" if note else ""
+            if from_prefix:
+                note = self.handover.start_from_prefix(info, ident, slot)
+                detail += f"; {note}" if note else ""
             route = Route(url, ident.session_id, ident.rule, slot, SIDE, detail=detail,
                           lease=lease)
             stack.pop_all()
