@@ -243,6 +243,24 @@ def test_a_title_one_off_leaves_the_conversations_and_the_folder_as_they_were(
         assert turn.cache_n >= first.prompt_tokens - 4, (turn, first)
 
 
+def turns_with_memory_requests(url: str, agent: Conversation, memory_system: str,
+                               turns: int = 3) -> list[requests.Response]:
+    """The agent's turns, each followed by its header-less memory request (the memory system
+    prompt, then the transcript so far in one message); the memory requests' answers."""
+    answers = []
+    for turn in range(turns):
+        agent.ask(url, f"Step {turn}: what does pytest -x do?")
+        transcript = " ".join(m["content"] for m in agent.messages)
+        r = requests.post(url + "/v1/chat/completions", timeout=600, json={
+            "messages": [{"role": "system", "content": memory_system},
+                         {"role": "user", "content": f"Update the memory from: {transcript}"}],
+            "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text[:300]
+        answers.append(r)
+        time.sleep(2.5)  # idle saves of whatever owns a slot
+    return answers
+
+
 def test_memory_requests_after_each_turn_become_one_offs_and_leave_no_files(
         make_llama, make_proxy, tmp_path):
     """An agent sends a header-less "memory" request after each of its turns (its own system
@@ -255,21 +273,12 @@ def test_memory_requests_after_each_turn_become_one_offs_and_leave_no_files(
     proxy = make_proxy(server, slotkeeper_slot_dir=str(slots), slotkeeper_idle_save_seconds=1)
     agent = Conversation("agent-7", long_system_prompt(400, seed=250))
     memory_system = "You keep the user's memory file. " + long_system_prompt(400, seed=251)
-    actions, reused = [], []
     # The memory system block's tokens: what the second request must at least reuse.
     reused_min = len(requests.post(server.url + "/tokenize", timeout=60, json={
         "content": memory_system}).json()["tokens"])
-    for turn in range(3):
-        agent.ask(proxy.url, f"Step {turn}: what does pytest -x do?")
-        transcript = " ".join(m["content"] for m in agent.messages)
-        r = requests.post(proxy.url + "/v1/chat/completions", timeout=600, json={
-            "messages": [{"role": "system", "content": memory_system},
-                         {"role": "user", "content": f"Update the memory from: {transcript}"}],
-            "max_tokens": 4, "temperature": 0})
-        assert r.status_code == 200, r.text[:300]
-        actions.append(r.headers["X-Slotkeeper-Action"])
-        reused.append(r.json()["timings"]["cache_n"])
-        time.sleep(2.5)  # idle saves of whatever owns a slot
+    answers = turns_with_memory_requests(proxy.url, agent, memory_system)
+    actions = [r.headers["X-Slotkeeper-Action"] for r in answers]
+    reused = [r.json()["timings"]["cache_n"] for r in answers]
     # The second starts from the first one's long system block (its parent's snapshot, or
     # the slot the first left), as llama-server's own cache would; the third is a one-off.
     assert actions[0] == "assigned" and actions[2] == "side", actions
@@ -297,17 +306,7 @@ def test_a_memory_one_off_starts_from_the_previous_memory_request(make_llama, ma
     proxy = make_proxy(server, slotkeeper_slot_dir=str(slots), slotkeeper_idle_save_seconds=1)
     agent = Conversation("agent-7", long_system_prompt(400, seed=260))
     memory_system = "You keep the user's memory file. " + long_system_prompt(400, seed=261)
-    answers = []
-    for turn in range(3):
-        agent.ask(proxy.url, f"Step {turn}: what does pytest -x do?")
-        transcript = " ".join(m["content"] for m in agent.messages)
-        r = requests.post(proxy.url + "/v1/chat/completions", timeout=600, json={
-            "messages": [{"role": "system", "content": memory_system},
-                         {"role": "user", "content": f"Update the memory from: {transcript}"}],
-            "max_tokens": 4, "temperature": 0})
-        assert r.status_code == 200, r.text[:300]
-        answers.append(r)
-        time.sleep(2.5)  # idle saves of whatever owns the slot
+    answers = turns_with_memory_requests(proxy.url, agent, memory_system)
     actions = [r.headers["X-Slotkeeper-Action"] for r in answers]
     timings = [r.json()["timings"] for r in answers]
     assert actions[2] == "side", actions
