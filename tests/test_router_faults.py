@@ -91,6 +91,24 @@ def test_fault1_lease_released_when_state_write_fails(llama, tmp_path):
     assert all_slots_free(router, llama.url, 4) == [0, 1, 2, 3], "a lease leaked (client)"
 
 
+def test_fault1_a_one_off_runs_and_releases_when_removing_leftovers_fails(llama, tmp_path, caplog):
+    """A one-off's leftovers are removed after it was placed (its parent's snapshot may serve
+    it first): a failure there (a full disk) is logged, the request still runs on its side
+    slot, and its lease is released when it ends."""
+    router = make_router(tmp_path)
+
+    def full_disk() -> None:
+        raise OSError(28, "No space left on device")
+
+    router.walk.one_off = lambda url, ident: full_disk
+    with caplog.at_level(logging.ERROR, logger="slotkeeper"):
+        route = router.route(llama.url, header_ident("memory-3"))
+    assert route.action == "side" and "one-off" in route.detail, route
+    assert "removing the leftovers of one-off requests failed" in caplog.text
+    router.finish(route, None)
+    assert all_slots_free(router, llama.url, 4) == [0, 1, 2, 3]
+
+
 def test_fault1_lease_released_when_the_request_hook_fails_after_routing(tmp_path):
     """An exception in the addon after the router handed out the lease (rewriting the body)
     must release it: the flow never reaches response/error with a route."""

@@ -7,6 +7,7 @@ releases it (issue #11, fault 1). Blocking except `keep`: worker threads."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -23,6 +24,8 @@ from .sessions import Sessions, conversation_fields
 from .state import SlotRecord, StateDoc, StateFile
 from .upstream import SlotsUnavailable
 from .upstreams import UpstreamInfo, Upstreams
+
+log = logging.getLogger("slotkeeper")
 
 
 class Walk:
@@ -88,10 +91,12 @@ class Walk:
                               "side task" if ident.side_task else "side request")
         drop_leftovers = self.one_off(url, ident) if owned is None else None
         if drop_leftovers is not None:
-            try:
-                return self._side(url, info, ident, slots, "one-off", from_prefix=True)
-            finally:
+            route = self._side(url, info, ident, slots, "one-off", from_prefix=True)
+            try:  # after the prefix restore; the route (and its lease) goes on regardless
                 drop_leftovers()
+            except Exception:
+                log.exception("removing the leftovers of one-off requests failed")
+            return route
         # Remembered before the handover: a request of the session arriving meanwhile must be
         # judged against this conversation.
         self.sessions.remember(url, ident.session_id, ident)
