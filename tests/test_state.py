@@ -73,3 +73,32 @@ def test_concurrent_processes_lose_no_update(tmp_path):
         assert p.exitcode == 0
     owners = {rec.owner for rec in StateFile(path).read().upstreams["u"].slots.values()}
     assert len(owners) == 100
+
+
+def test_only_idle_empty_slots_that_held_a_session_lose_their_claim():
+    """A verification's /slots read (upstreams._reconcile): a slot the server shows empty and
+    idle lost its owner's KV (restart, cleared); a claim whose first request is still in
+    flight (tokens not recorded yet: queued, or the slot processing its prompt with 0 tokens)
+    keeps its claim, or that session's first turn would never be saved (seen in the
+    corrupt-files test with four first requests at once on a fresh proxy)."""
+    from slotkeeper.choice import SlotView
+    from slotkeeper.upstreams import _reconcile
+
+    url = "http://127.0.0.1:1"
+    doc = StateDoc()
+    up = doc.upstream(url)
+    up.fingerprint = "fp"
+    up.slots = {0: SlotRecord("in-flight", 1.0, 1.0),                 # first request running
+                1: SlotRecord("queued", 1.0, 1.0),                    # not started by the server
+                2: SlotRecord("lost", 1.0, 1.0, tokens=500),          # held KV, slot now empty
+                3: SlotRecord("busy-again", 1.0, 1.0, tokens=500),    # its next turn running
+                4: SlotRecord("resident", 1.0, 1.0, tokens=500)}
+    live = {0: SlotView(0, is_processing=True), 1: SlotView(1),
+            2: SlotView(2), 3: SlotView(3, is_processing=True), 4: SlotView(4, n_tokens=500)}
+    cleared: list[int] = []
+    assert _reconcile(doc, url, "fp", live, cleared)
+    assert {slot for slot, rec in up.slots.items() if rec.stale} == {2}
+    assert cleared == [2]
+    # Another fingerprint: the server was replaced, every claim goes.
+    assert _reconcile(doc, url, "other", live, [])
+    assert up.slots == {}

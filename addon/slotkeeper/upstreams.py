@@ -155,7 +155,12 @@ class Upstreams:
 def _reconcile(doc: StateDoc, url: str, fingerprint: str, live: dict | None,
                cleared: list[int]) -> bool:
     """Drop the claims of a restarted server (another fingerprint) or of slots it no longer
-    has; mark stale the claims of slots that now hold no tokens (noted in `cleared`)."""
+    has; mark stale the claims of slots that now hold no tokens (noted in `cleared`). Only a
+    claim that held tokens and whose slot is idle: a claim whose first request is still in
+    flight (queued, or the slot processing its prompt) shows 0 tokens too, and marking it
+    stale lost that session's first turn for good (seen when several first requests reached a
+    fresh proxy at once: the second one's verification read the first one's slot mid-prompt,
+    so it was never saved)."""
     up = doc.upstream(url)
     restarted = bool(up.fingerprint) and up.fingerprint != fingerprint
     up.fingerprint = fingerprint
@@ -164,7 +169,8 @@ def _reconcile(doc: StateDoc, url: str, fingerprint: str, live: dict | None,
         if restarted or (live is not None and slot_id not in live):
             del up.slots[slot_id]
             dropped = True
-        elif live is not None and not rec.stale and live[slot_id].n_tokens == 0:
+        elif (live is not None and not rec.stale and rec.tokens > 0
+              and not live[slot_id].is_processing and live[slot_id].n_tokens == 0):
             rec.stale = True  # the server lost this slot's KV (restart, or cleared)
             dropped = True
             if not restarted:
