@@ -121,10 +121,10 @@ class Lab:
         path.mkdir(parents=True)
         return path
 
-    def server(self, name: str) -> LlamaServer:
-        """A fresh llama-server with its own slot folder."""
+    def server(self, name: str, np: int = NP) -> LlamaServer:
+        """A fresh llama-server with its own slot folder; `np` slots of CTX / NP tokens."""
         workdir = self.folder(name)
-        server = LlamaServer(workdir, np=NP, ctx=CTX, slot_save_path=workdir / "slots")
+        server = LlamaServer(workdir, np=np, ctx=CTX // NP * np, slot_save_path=workdir / "slots")
         self.procs.append(server)
         return server.start()
 

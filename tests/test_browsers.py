@@ -14,7 +14,8 @@ from mitmproxy.test import taddons, tflow
 
 from reliability import reliability  # noqa: F401  (the fixture)
 from slotkeeper import origins
-from slotkeeper.guard import CLIENT_HOST_KEY, OLLAMA_ORIGIN_KEY, BrowserGuard
+from slotkeeper.cors import ANSWER_KEY
+from slotkeeper.guard import BrowserGuard
 from slotkeeper.ollama_surface import OllamaSurface
 
 RELIABILITY_AREA = "attacks"
@@ -73,10 +74,12 @@ def test_ollama_origins_option_adds_patterns():
 def guard_context(keep_host_header: bool = False):
     """A guard loaded as mitmdump loads a script: after the core options (keep_host_header as
     the user set it) and beside the Ollama surface, which declares slotkeeper_ollama_port."""
-    with taddons.context(proxyserver.Proxyserver(), OllamaSurface(None)) as tctx:
+    surface = OllamaSurface(None)
+    with taddons.context(proxyserver.Proxyserver(), surface) as tctx:
         tctx.options.update(keep_host_header=keep_host_header)
         guard = BrowserGuard()
         tctx.master.addons.add(guard)
+        guard.surface = surface  # the answers' CORS headers are put on by the surface
         yield guard, tctx
 
 
@@ -90,8 +93,7 @@ def request(guard, method, path, host="127.0.0.1:8000", port=8000, **headers):
     f.request.headers["Host"] = host
     for name, value in headers.items():
         f.request.headers[name.replace("_", "-")] = value
-    guard.requestheaders(f)
-    guard.request(f)
+    guard.requestheaders(f)  # the guard's one hook: every refusal is decided here
     return f
 
 
@@ -104,7 +106,11 @@ def test_the_guard_refuses_browsers_on_management_calls(reliability):
         # The upstream's Host is forwarded, as without keep_host_header; the client's was
         # judged (the refusals of evil.example below) and is not left in the flow.
         assert ok.request.headers["Host"] == "127.0.0.1:8080"
-        assert CLIENT_HOST_KEY not in ok.metadata
+        assert ok.metadata == {}  # the client's Host is judged in the hook, not kept
+        chunked = request(guard, "POST", "/api/sessions/clear", transfer_encoding="chunked",
+                          content_type="text/plain")  # a body is told by the headers alone
+        assert chunked.response.status_code == 415
+        assert request(guard, "DELETE", "/api/sessions/x", content_length="0").response is None
         plain = request(guard, "POST", "/api/sessions/clear", content_type="text/plain")
         assert plain.response.status_code == 415
         assert "application/json" in json.loads(plain.response.content)["error"]["message"]
@@ -139,7 +145,8 @@ def test_the_guard_checks_origins_on_the_ollama_routes_like_ollama(reliability):
         assert foreign.request.headers["Host"] == "127.0.0.1:8000"
         listed = request(guard, "POST", "/api/chat", origin="https://chat.example.com")
         assert listed.response is None
-        assert listed.metadata[OLLAMA_ORIGIN_KEY] == "https://chat.example.com"
+        assert listed.metadata[ANSWER_KEY]["Access-Control-Allow-Origin"] == (
+            "https://chat.example.com")
         # On the Ollama port every route is Ollama's (its /v1 routes too).
         local = request(guard, "POST", "/v1/chat/completions", port=11434,
                         origin="http://localhost:3000")
@@ -152,14 +159,14 @@ def test_the_guard_checks_origins_on_the_ollama_routes_like_ollama(reliability):
         # The answer names the origin it let in, never llama-server's "*".
         local.response = tflow.tresp()
         local.response.headers["Access-Control-Allow-Origin"] = "*"
-        guard.responseheaders(local)
+        guard.surface.responseheaders(local)
         assert local.response.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+        assert local.response.headers["Vary"] == "Origin"
         plain = request(guard, "POST", "/api/chat")
         plain.response = tflow.tresp()
         plain.response.headers["Access-Control-Allow-Origin"] = "*"
-        guard.response(plain)
+        guard.surface.response(plain)  # an answer the proxy made itself meets only this hook
         assert "Access-Control-Allow-Origin" not in plain.response.headers
-        assert OLLAMA_ORIGIN_KEY not in plain.metadata  # nothing internal in saved flows
     reliability.row("Ollama routes called by a page of another origin (and on the Ollama "
                     "port, every route)",
                     outcome="403 like Ollama, unless the origin is a loopback one, an app or "

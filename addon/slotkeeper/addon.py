@@ -83,12 +83,12 @@ class SlotKeeper:
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:
             return
-        await save_before_unload(self.router, self.pool, flow)
-        if flow.request.method != "POST":
-            self._point_at_any(flow)
-            return
-        if not bodies.is_completion_path(flow.request.path) or self.router is None:
-            refuse_if_too_deep(flow, self.max_body_bytes)
+        post = flow.request.method == "POST"
+        if not post or not bodies.is_completion_path(flow.request.path) or self.router is None:
+            # Not a completion (an unload is not one): nothing to route.
+            await save_before_unload(self.router, self.pool, flow)
+            if post:
+                refuse_if_too_deep(flow, self.max_body_bytes)
             self._point_at_any(flow)
             return
         checked = self._checked_body(flow)

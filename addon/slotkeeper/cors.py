@@ -20,6 +20,10 @@ ALLOW_HEADERS = ("Authorization,Content-Type,User-Agent,Accept,X-Requested-With,
                  "X-Stainless-Poll-Helper,X-Stainless-Custom-Poll-Interval,"
                  "X-Stainless-Timeout")
 MAX_AGE_S = "43200"  # 12 h, gin-contrib/cors' default
+# flow.metadata: the CORS headers an Ollama route's answer gets, decided on its request (by the
+# browser guard, else the Ollama surface); a None value removes that header (llama-server's
+# own `*`). The Ollama surface puts them on the answer.
+ANSWER_KEY = "slotkeeper_cors"
 Allowed = Callable[[str], bool]
 
 

@@ -4,8 +4,8 @@ first among slotkeeper's addons, so it refuses a request before any other addon 
 The Host header a client sent is what tells a DNS-rebinding page from a real client, and
 mitmproxy's reverse mode replaces it with the upstream's before any addon hook runs, unless
 `keep_host_header` is on. So the guard turns that option on and puts the upstream's Host
-back itself, in the first hook (`requestheaders`), keeping the client's in the flow's
-metadata: llama-server sees what it saw before, the guard sees what the client sent."""
+back itself, in the first hook (`requestheaders`), after reading the client's: llama-server
+sees what it saw before, the guard judges what the client sent."""
 
 from __future__ import annotations
 
@@ -17,19 +17,10 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.net.http import url
 from mitmproxy.utils import human
 
-from . import origins
+from . import cors, origins
 from .access import READ_METHODS, error, is_management_path
 
 log = logging.getLogger("slotkeeper.api")
-
-# flow.metadata from requestheaders to the guard's request hook: the Host the client sent
-CLIENT_HOST_KEY = "slotkeeper_client_host"
-# flow.metadata, set on every Ollama-route request the guard let through: the Origin that
-# origins.origin_allowed let in, or "" when the request had none (no page's). Absent: not an
-# Ollama route (the surface rewrites the path later, so the answer is told by this key). The
-# Ollama surface's CORS answers read it in the request hook; the guard's response hook (the
-# first) removes it.
-OLLAMA_ORIGIN_KEY = "slotkeeper_ollama_origin"
 
 
 class BrowserGuard:
@@ -37,6 +28,7 @@ class BrowserGuard:
         self.names: tuple[str, ...] = ()  # host names management calls may use
         self.ollama_origins: tuple[str, ...] = ()
         self.restore_host = False  # keep_host_header was turned on by us, not the user
+        self.ollama_port = 0  # slotkeeper_ollama_port, declared by the Ollama surface
 
     def load(self, loader) -> None:
         loader.add_option("slotkeeper_api_hosts", Sequence[str], [],
@@ -60,30 +52,31 @@ class BrowserGuard:
                                               f"an origin")
         self.names = (opts.listen_host, socket.gethostname(), *opts.slotkeeper_api_hosts)
         self.ollama_origins = tuple(opts.slotkeeper_ollama_origins)
+        self.ollama_port = getattr(opts, "slotkeeper_ollama_port", 0)
         if not opts.keep_host_header:
             self.restore_host = True
             opts.update(keep_host_header=True)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
+        """The guard's one hook on a request's path. Each rule reads only the request line and
+        headers, so a refusal is decided here; mitmproxy still reads the body, and sends the
+        refusal after the request hook, which the other addons skip (`flow.response` set).
+        One hook, not four: mitmproxy's dispatch of each hook an addon has costs every
+        request ~8 µs, measured (docs/BENCHMARKS.md, "What a hook costs")."""
         req = flow.request
-        flow.metadata[CLIENT_HOST_KEY] = req.host_header or ""
+        host = req.host_header or ""
         if self.restore_host and flow.client_conn.proxy_mode.type_name == "reverse":
             # What mitmproxy does without keep_host_header (proxy/layers/http): the upstream's.
             req.host_header = url.hostport(req.scheme, req.host, req.port)
-
-    def request(self, flow: http.HTTPFlow) -> None:
-        host = flow.metadata.pop(CLIENT_HOST_KEY, None)  # internal: not kept in saved flows
-        if flow.response is not None:
-            return
-        path = flow.request.path.split("?", 1)[0]
+        path = req.path.split("?", 1)[0]
         if is_management_path(path):
-            flow.response = self._management_refusal(flow, host)
+            flow.response = self._management_refusal(req, host)
         elif self._ollama_route(flow, path):
             flow.response = self._ollama_refusal(flow)
+        if flow.response is not None:
+            req.stream = False  # mitmproxy cannot stream a body to a request it answers
 
-    def _management_refusal(self, flow: http.HTTPFlow, host: str | None) -> http.Response | None:
-        req = flow.request
-        host = req.host_header or "" if host is None else host
+    def _management_refusal(self, req: http.Request, host: str) -> http.Response | None:
         refusal: tuple[int, str] | None = None
         if not origins.host_allowed(host, self.names):
             refusal = 403, (f"Host {host[:100]!r} is not a name this proxy answers management "
@@ -91,7 +84,7 @@ class BrowserGuard:
         elif req.method.upper() not in READ_METHODS:
             refusal = origins.mutation_refusal(
                 req.method.upper(), req.headers.get("origin"),
-                req.headers.get("content-type", ""), bool(req.raw_content), host)
+                req.headers.get("content-type", ""), announces_body(req.headers), host)
         if refusal is None:
             return None
         log.warning("management call %s %s refused (%d): %s", req.method, req.path[:100],
@@ -103,42 +96,29 @@ class BrowserGuard:
         if path.startswith("/api/"):
             return True
         sockname = flow.client_conn.sockname
-        port = getattr(ctx.options, "slotkeeper_ollama_port", 0)
-        return bool(port) and bool(sockname) and sockname[1] == port
+        return bool(self.ollama_port) and bool(sockname) and sockname[1] == self.ollama_port
 
     def _ollama_refusal(self, flow: http.HTTPFlow) -> http.Response | None:
+        """403 for a page of a foreign origin, as Ollama answers it. A request let through gets
+        its answer's CORS headers decided here (cors.ANSWER_KEY, which the Ollama surface puts
+        on the answer): the origin let in, never llama-server's `*`; none without an Origin."""
         origin = flow.request.headers.get("origin")
         if origin is None:
-            flow.metadata[OLLAMA_ORIGIN_KEY] = ""
+            flow.metadata[cors.ANSWER_KEY] = {"Access-Control-Allow-Origin": None}
             return None
         if origins.origin_allowed(origin, self.ollama_origins):
-            flow.metadata[OLLAMA_ORIGIN_KEY] = origin
+            flow.metadata[cors.ANSWER_KEY] = {"Access-Control-Allow-Origin": origin,
+                                              "Vary": "Origin"}
             return None
         log.info("%s %s refused (403): origin %r is not allowed (slotkeeper_ollama_origins)",
                  flow.request.method, flow.request.path[:100], origin[:100])
         return http.Response.make(403, b"", {})  # as Ollama answers a foreign origin
 
-    def response(self, flow: http.HTTPFlow) -> None:
-        """Answers made by the proxy itself (the Ollama surface's) meet no responseheaders.
-        The guard's metadata ends here: saved flows keep none of it."""
-        self.responseheaders(flow)
-        flow.metadata.pop(OLLAMA_ORIGIN_KEY, None)
 
-    def error(self, flow: http.HTTPFlow) -> None:
-        flow.metadata.pop(CLIENT_HOST_KEY, None)
-        flow.metadata.pop(OLLAMA_ORIGIN_KEY, None)
-
-    def responseheaders(self, flow: http.HTTPFlow) -> None:
-        """An Ollama route's answer names the origin it let in (never llama-server's `*`)."""
-        response = flow.response
-        origin = flow.metadata.get(OLLAMA_ORIGIN_KEY)
-        if response is None or origin is None:
-            return
-        if not origin:
-            response.headers.pop("access-control-allow-origin", None)
-        else:
-            response.headers["Access-Control-Allow-Origin"] = origin
-            response.headers["Vary"] = "Origin"
+def announces_body(headers: http.Headers) -> bool:
+    """Whether a request's headers say a body follows (read before the body is)."""
+    return headers.get("content-length", "0").strip() not in ("", "0") or (
+        "transfer-encoding" in headers)
 
 
 class BodyLimit:

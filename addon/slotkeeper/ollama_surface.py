@@ -27,7 +27,6 @@ from .translation import TRANSLATION_KEY
 log = logging.getLogger("slotkeeper.ollama")
 
 UPSTREAM_TIMEOUT_S = 30.0  # /tokenize and /apply-template
-CORS_KEY = "slotkeeper_cors"  # flow.metadata: the CORS headers the answer gets
 
 
 class OllamaTranslation:
@@ -127,7 +126,9 @@ class OllamaSurface:
             flow.response = http.Response.make(status, b"", headers)
             flow.marked = ":gear:"
             return None
-        flow.metadata[CORS_KEY] = cors.answer_headers(origin, self.allowed_origin)
+        # The guard decided them already where it runs; the same rule either way.
+        flow.metadata.setdefault(cors.ANSWER_KEY,
+                                 cors.answer_headers(origin, self.allowed_origin))
         if path == "/":
             if req.method in ("GET", "HEAD") and self._on_ollama_port(flow):
                 flow.response = http.Response.make(200, ollama.RUNNING_TEXT,
@@ -144,10 +145,13 @@ class OllamaSurface:
 
     @staticmethod
     def _add_cors(flow: http.HTTPFlow) -> None:
-        headers = flow.metadata.get(CORS_KEY)
+        headers = flow.metadata.get(cors.ANSWER_KEY)
         if headers and flow.response is not None:
             for name, value in headers.items():
-                flow.response.headers[name] = value
+                if value is None:
+                    flow.response.headers.pop(name, None)
+                else:
+                    flow.response.headers[name] = value
 
     async def _answer(self, flow: http.HTTPFlow, path: str) -> None:
         try:
