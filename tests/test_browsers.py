@@ -165,7 +165,7 @@ def test_the_guard_checks_origins_on_the_ollama_routes_like_ollama(reliability):
         plain = request(guard, "POST", "/api/chat")
         plain.response = tflow.tresp()
         plain.response.headers["Access-Control-Allow-Origin"] = "*"
-        guard.surface.response(plain)  # an answer the proxy made itself meets only this hook
+        guard.surface.responseheaders(plain)
         assert "Access-Control-Allow-Origin" not in plain.response.headers
     reliability.row("Ollama routes called by a page of another origin (and on the Ollama "
                     "port, every route)",

@@ -94,10 +94,10 @@ def test_cors_preflight_is_answered_as_ollama_does():
                 assert "POST" in flow.response.headers["access-control-allow-methods"]
                 assert "Content-Type" in flow.response.headers["access-control-allow-headers"]
         version = run(surface, "GET", "/api/version", headers={"Origin": "http://localhost:5173"})
-        surface.response(version)
+        surface.responseheaders(version)
         assert version.response.headers["access-control-allow-origin"] == "http://localhost:5173"
         foreign = run(surface, "GET", "/api/version", headers={"Origin": "https://evil.example"})
-        surface.response(foreign)
+        surface.responseheaders(foreign)
         assert "access-control-allow-origin" not in foreign.response.headers
 
 

@@ -199,6 +199,13 @@ def test_ollama_routes_check_origin_like_ollama(llama, make_proxy, reliability):
     assert outcomes == {"http://evil.example": 403, "https://attacker.example.com": 403,
                         "no Origin": 200, "http://localhost:3000": 200,
                         "https://chat.example.com": 200}
+    # An answer the proxy makes itself names the origin too (mitmproxy calls responseheaders
+    # for it), and none without an Origin.
+    version = requests.get(proxy.url + "/api/version", timeout=30,
+                           headers={"Origin": "http://localhost:3000"})
+    assert version.headers.get("Access-Control-Allow-Origin") == "http://localhost:3000"
+    assert "Access-Control-Allow-Origin" not in requests.get(proxy.url + "/api/version",
+                                                             timeout=30).headers
     # A browser's preflight (issue #20.3), through the whole proxy (guard, then the surface):
     # answered as Ollama answers it for an allowed origin, refused for another.
     asks = {"Access-Control-Request-Method": "POST",
@@ -221,6 +228,10 @@ def test_ollama_routes_check_origin_like_ollama(llama, make_proxy, reliability):
     foreign = {"Origin": "http://evil.example"}
     assert requests.post(on_port.url + CHAT, json=chat, headers=foreign,
                          timeout=120).status_code == 403
+    local = requests.post(on_port.url + CHAT, json=chat, timeout=120,
+                          headers={"Origin": "http://localhost:3000"})
+    assert local.status_code == 200
+    assert local.headers.get("Access-Control-Allow-Origin") == "http://localhost:3000"
     assert requests.post(proxy.url + CHAT, json=chat, headers=foreign,
                          timeout=120).status_code == 200
     reliability.row("Ollama routes (/api/generate) from a page of another origin; every route "

@@ -138,10 +138,9 @@ class OllamaSurface:
         return self._answer(flow, path)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        """Every answer meets this hook, llama-server's and the ones made in a request hook
+        (mitmproxy calls it for those before sending them): no `response` hook is needed."""
         self._add_cors(flow)
-
-    def response(self, flow: http.HTTPFlow) -> None:
-        self._add_cors(flow)  # answers made in the request hook meet only this hook
 
     @staticmethod
     def _add_cors(flow: http.HTTPFlow) -> None:

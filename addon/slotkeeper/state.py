@@ -221,6 +221,12 @@ class StateFile:
         self._cached = (key, doc)
         return doc
 
+    def last_read(self) -> StateDoc:
+        """The document as this process last read it, without a stat: for a first guess that
+        a fresh `read` confirms under a lock (the kept request's fast path)."""
+        cached = self._cached
+        return cached[1] if cached is not None else self.read()
+
     def _load(self) -> StateDoc:
         try:
             with open(self.path, "rb") as f:

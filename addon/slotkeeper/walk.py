@@ -54,8 +54,9 @@ class Walk:
 
     def keep(self, url: str, ident: Identity, running: int) -> Route | None:
         """The fast path: a session that owns its slot keeps it. A stat of the state file and
-        a non-blocking shared flock, no network. None means: take the slow path."""
-        doc = self.state.read()
+        a non-blocking shared flock, no network. None means: take the slow path. The first
+        look is at the document as last read (no stat); the read under the lease decides."""
+        doc = self.state.last_read()
         slot = resident_slot(doc, url, ident.session_id)
         if slot is None:
             return None
@@ -66,8 +67,12 @@ class Walk:
         if lease is None:
             return None
         try:
-            # Re-check under the lock: a handover elsewhere may have claimed the slot meanwhile.
-            if resident_slot(self.state.read(), url, ident.session_id) == slot:
+            # Re-check under the lock: a handover elsewhere may have claimed the slot meanwhile;
+            # a document changed since the first look is judged again whole.
+            fresh = self.state.read()
+            if fresh is doc or (
+                    resident_slot(fresh, url, ident.session_id) == slot and self.sessions.kind(
+                        url, ident, fresh.upstreams[url].slots[slot], running) == policy.MAIN):
                 return Route(url, ident.session_id, ident.rule, slot, KEPT, lease=lease)
         except BaseException:
             lease.release()
