@@ -14,7 +14,7 @@ from mitmproxy.test import taddons, tflow
 
 from reliability import reliability  # noqa: F401  (the fixture)
 from slotkeeper import origins
-from slotkeeper.cors import ANSWER_KEY
+from slotkeeper.cors import ANSWER_KEY, put_answer_headers
 from slotkeeper.guard import BrowserGuard
 from slotkeeper.ollama_surface import OllamaSurface
 
@@ -74,12 +74,10 @@ def test_ollama_origins_option_adds_patterns():
 def guard_context(keep_host_header: bool = False):
     """A guard loaded as mitmdump loads a script: after the core options (keep_host_header as
     the user set it) and beside the Ollama surface, which declares slotkeeper_ollama_port."""
-    surface = OllamaSurface(None)
-    with taddons.context(proxyserver.Proxyserver(), surface) as tctx:
+    with taddons.context(proxyserver.Proxyserver(), OllamaSurface(None)) as tctx:
         tctx.options.update(keep_host_header=keep_host_header)
         guard = BrowserGuard()
         tctx.master.addons.add(guard)
-        guard.surface = surface  # the answers' CORS headers are put on by the surface
         yield guard, tctx
 
 
@@ -159,16 +157,28 @@ def test_the_guard_checks_origins_on_the_ollama_routes_like_ollama(reliability):
         # The answer names the origin it let in, never llama-server's "*".
         local.response = tflow.tresp()
         local.response.headers["Access-Control-Allow-Origin"] = "*"
-        guard.surface.responseheaders(local)
+        put_answer_headers(local.response.headers, local.metadata.get(ANSWER_KEY))
         assert local.response.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
         assert local.response.headers["Vary"] == "Origin"
         plain = request(guard, "POST", "/api/chat")
         plain.response = tflow.tresp()
         plain.response.headers["Access-Control-Allow-Origin"] = "*"
-        guard.surface.responseheaders(plain)
+        put_answer_headers(plain.response.headers, plain.metadata.get(ANSWER_KEY))
         assert "Access-Control-Allow-Origin" not in plain.response.headers
     reliability.row("Ollama routes called by a page of another origin (and on the Ollama "
                     "port, every route)",
                     outcome="403 like Ollama, unless the origin is a loopback one, an app or "
                             "extension scheme, or in slotkeeper_ollama_origins; an allowed "
                             "origin is named in Access-Control-Allow-Origin, never '*'")
+
+
+def test_the_guard_looks_at_every_path_a_rule_applies_to():
+    """The guard skips a path outside GUARDED_PREFIXES without a look (the hot path): each
+    management route and Ollama route is inside them."""
+    from slotkeeper.access import MANAGEMENT_PREFIXES, is_management_path
+    from slotkeeper.guard import GUARDED_PREFIXES
+    assert all(prefix.startswith(GUARDED_PREFIXES) for prefix in MANAGEMENT_PREFIXES)
+    for path in ("/metrics", "/metrics/", "/metrics?x=1", "/api/sessions/a/clear",
+                 "/api/upstreams/drain", "/api/chat", "/api/tags"):
+        assert path.startswith(GUARDED_PREFIXES), path
+    assert not is_management_path("/v1/chat/completions")

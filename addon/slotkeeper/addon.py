@@ -14,7 +14,7 @@ from typing import Any
 
 from mitmproxy import ctx, http
 
-from . import bodies, metrics, placement, settings
+from . import bodies, cors, metrics, placement, settings
 from .api import SessionApi
 from .choice import SlotOutOfRange
 from .bodies import BodyError, BodyRefused, SseTimingsWatcher, Timings
@@ -89,7 +89,7 @@ class SlotKeeper:
             await save_before_unload(self.router, self.pool, flow)
             if post:
                 refuse_if_too_deep(flow, self.max_body_bytes)
-            self._point_at_any(flow)
+            point_at_any(self.router, flow)
             return
         checked = self._checked_body(flow)
         if checked is None:
@@ -142,15 +142,6 @@ class SlotKeeper:
             return None
         return body_text, data, client_slot
 
-    def _point_at_any(self, flow: http.HTTPFlow) -> None:
-        """Pool: a request that is not placed (listings, /props, ...) goes to a server that
-        is up, not necessarily the reverse mode's first one."""
-        router = self.router
-        if router is not None and router.pool.pooled and flow.response is None:
-            url = router.pool.any_upstream()
-            if url is not None:
-                point_at(flow, url)
-
     async def _route(self, flow: http.HTTPFlow, ident: Identity,
                      client_slot: int | None, data: dict) -> Route | None:
         route = await self._place_and_route(flow, ident, client_slot, data)
@@ -195,6 +186,9 @@ class SlotKeeper:
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is None:
             return
+        # Every answer meets this hook (mitmproxy calls it for one made in a request hook too):
+        # the CORS headers decided on the request go on here, not in a hook of their own.
+        cors.put_answer_headers(flow.response.headers, flow.metadata.get(cors.ANSWER_KEY))
         route: Route | None = flow.metadata.get(ROUTE_KEY)
         translation = translation_of(flow)
         headers = flow.response.headers
@@ -338,6 +332,15 @@ class SlotKeeper:
     def _close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.release_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def point_at_any(router: Router | None, flow: http.HTTPFlow) -> None:
+    """Pool: a request that is not placed (listings, /props, ...) goes to a server that is
+    up, not necessarily the reverse mode's first one."""
+    if router is not None and router.pool.pooled and flow.response is None:
+        url = router.pool.any_upstream()
+        if url is not None:
+            point_at(flow, url)
 
 
 async def save_before_unload(router: Router | None, pool: ThreadPoolExecutor,

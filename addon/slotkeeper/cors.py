@@ -7,7 +7,7 @@ is Ollama's own default, loopback origins and local app schemes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, MutableMapping
 
 from .origins import origin_allowed
 
@@ -54,3 +54,14 @@ def answer_headers(origin: str, allowed: Allowed = loopback_origin) -> dict[str,
     if not origin or not allowed(origin):
         return {}
     return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+
+
+def put_answer_headers(headers: MutableMapping[str, str],
+                       decided: Mapping[str, str | None] | None) -> None:
+    """Put the CORS headers decided on the request (ANSWER_KEY) on its answer; a None value
+    removes that header."""
+    for name, value in (decided or {}).items():
+        if value is None:
+            headers.pop(name, None)
+        else:
+            headers[name] = value

@@ -22,6 +22,10 @@ from .access import READ_METHODS, error, is_management_path
 
 log = logging.getLogger("slotkeeper.api")
 
+# Every path a rule may apply to starts so (management calls and the Ollama surface's routes);
+# on the Ollama port, every path.
+GUARDED_PREFIXES = ("/api/", "/metrics")
+
 
 class BrowserGuard:
     def __init__(self) -> None:
@@ -61,17 +65,20 @@ class BrowserGuard:
         """The guard's one hook on a request's path. Each rule reads only the request line and
         headers, so a refusal is decided here; mitmproxy still reads the body, and sends the
         refusal after the request hook, which the other addons skip (`flow.response` set).
-        One hook, not four: mitmproxy's dispatch of each hook an addon has costs every
-        request ~8 µs, measured (docs/BENCHMARKS.md, "What a hook costs")."""
+        One hook, not four, and a completion only has its Host put back: every hook an addon
+        has costs each request mitmproxy's dispatch (docs/BENCHMARKS.md section 3)."""
         req = flow.request
-        host = req.host_header or ""
+        guarded = req.path.startswith(GUARDED_PREFIXES) or self._on_ollama_port(flow)
+        host = (req.host_header or "") if guarded else ""
         if self.restore_host and flow.client_conn.proxy_mode.type_name == "reverse":
             # What mitmproxy does without keep_host_header (proxy/layers/http): the upstream's.
             req.host_header = url.hostport(req.scheme, req.host, req.port)
+        if not guarded:
+            return
         path = req.path.split("?", 1)[0]
         if is_management_path(path):
             flow.response = self._management_refusal(req, host)
-        elif self._ollama_route(flow, path):
+        elif path.startswith("/api/") or self._on_ollama_port(flow):
             flow.response = self._ollama_refusal(flow)
         if flow.response is not None:
             req.stream = False  # mitmproxy cannot stream a body to a request it answers
@@ -91,10 +98,8 @@ class BrowserGuard:
                     refusal[0], refusal[1])
         return error(*refusal)
 
-    def _ollama_route(self, flow: http.HTTPFlow, path: str) -> bool:
-        """The Ollama surface's routes on any port, and every route on the Ollama port."""
-        if path.startswith("/api/"):
-            return True
+    def _on_ollama_port(self, flow: http.HTTPFlow) -> bool:
+        """On the Ollama port every route is Ollama's (elsewhere only /api/...)."""
         sockname = flow.client_conn.sockname
         return bool(self.ollama_port) and bool(sockname) and sockname[1] == self.ollama_port
 

@@ -137,21 +137,6 @@ class OllamaSurface:
         flow.marked = ":gear:"  # ⚙ like the session API: answered by the proxy itself
         return self._answer(flow, path)
 
-    def responseheaders(self, flow: http.HTTPFlow) -> None:
-        """Every answer meets this hook, llama-server's and the ones made in a request hook
-        (mitmproxy calls it for those before sending them): no `response` hook is needed."""
-        self._add_cors(flow)
-
-    @staticmethod
-    def _add_cors(flow: http.HTTPFlow) -> None:
-        headers = flow.metadata.get(cors.ANSWER_KEY)
-        if headers and flow.response is not None:
-            for name, value in headers.items():
-                if value is None:
-                    flow.response.headers.pop(name, None)
-                else:
-                    flow.response.headers[name] = value
-
     async def _answer(self, flow: http.HTTPFlow, path: str) -> None:
         try:
             await self._dispatch(flow, path)
