@@ -22,7 +22,7 @@ ALLOW_HEADERS = ("Authorization,Content-Type,User-Agent,Accept,X-Requested-With,
 MAX_AGE_S = "43200"  # 12 h, gin-contrib/cors' default
 # flow.metadata: the CORS headers an Ollama route's answer gets, decided on its request (by the
 # browser guard, else the Ollama surface); a None value removes that header (llama-server's
-# own `*`). The Ollama surface puts them on the answer.
+# own `*`). The keeper's responseheaders, which every answer meets, puts them on.
 ANSWER_KEY = "slotkeeper_cors"
 Allowed = Callable[[str], bool]
 

@@ -105,8 +105,9 @@ class BrowserGuard:
 
     def _ollama_refusal(self, flow: http.HTTPFlow) -> http.Response | None:
         """403 for a page of a foreign origin, as Ollama answers it. A request let through gets
-        its answer's CORS headers decided here (cors.ANSWER_KEY, which the Ollama surface puts
-        on the answer): the origin let in, never llama-server's `*`; none without an Origin."""
+        its answer's CORS headers decided here (cors.ANSWER_KEY, put on the answer by the
+        keeper's responseheaders): the origin let in, never llama-server's `*`; none without
+        an Origin."""
         origin = flow.request.headers.get("origin")
         if origin is None:
             flow.metadata[cors.ANSWER_KEY] = {"Access-Control-Allow-Origin": None}
