@@ -8,6 +8,7 @@ import copy
 import hashlib
 import json
 import re
+import uuid
 
 import pytest
 from hypothesis import given, settings
@@ -977,6 +978,44 @@ def test_seed_key_ignores_cache_control_on_tools():
     a = ident(MESSAGES, body=claude_body("x"))
     b = ident(MESSAGES, body={**claude_body("x"), "tools": moved})
     assert a.seed_key == b.seed_key
+
+
+def test_tools_sent_again_are_found_not_made_again():
+    """An agent's tools come on every turn: the second time they are found (the very string
+    made the first time), and the seed key is the same as when made."""
+    from slotkeeper import prompts
+
+    tools = [{**TOOL[0], "description": f"found again {uuid.uuid4()}"}]
+    first, _ = prompts.tools_of(tools)
+    again, _ = prompts.tools_of(copy.deepcopy(tools))
+    assert first is not None and again is first
+    assert ident(body=chat_body("one", tools=tools)).seed_key == ident(
+        body=chat_body("two", tools=copy.deepcopy(tools))).seed_key
+
+
+@pytest.mark.parametrize("a, b", [(True, 1), (1, 1.0), (False, 0)])
+def test_tools_equal_in_python_but_not_in_json_stay_apart(a, b):
+    """`true == 1 == 1.0` in Python: the memory of tools must not take one for the other."""
+    from slotkeeper import prompts
+
+    tag = str(uuid.uuid4())
+    first = prompts.tools_of([{"name": tag, "strict": a}])[0]
+    second = prompts.tools_of([{"name": tag, "strict": b}])[0]
+    assert first != second
+    got = [json.loads(text)[0]["strict"] for text in (first, second)]
+    assert [(type(v), v) for v in got] == [(type(a), a), (type(b), b)]
+
+
+def test_tools_too_deep_to_pickle_are_still_made():
+    from slotkeeper import prompts
+
+    deep: list = []
+    inner = deep
+    for _ in range(5000):
+        inner.append([])
+        inner = inner[0]
+    text, chars = prompts.tools_of(deep)
+    assert text is not None and "<deep>" in text and chars == len(text)
 
 
 def test_seed_key_needs_a_system_prompt_or_tools():

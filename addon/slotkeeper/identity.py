@@ -17,6 +17,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .memo import Memo
 from .policy import Prefix
 from .prompts import Prompt, id_text, read_prompt
 from .tasks import asks_for_side_task
@@ -136,15 +137,15 @@ def identify(path: str, headers: Mapping[str, str], body: object,
     system_chars = sum(len(part) for part in prompt.system_parts) + prompt.tools_chars
     # The seed key and the chain's first link hash the same material: hashed once (a coding
     # agent's tools alone are tens of KB of JSON).
-    system_digest = _system_digest(prompt)
+    system = _hashable_system(prompt.system_parts)
+    system_digest = _system_digest(prompt, system)
     return Identity(
         session_id=session,
         rule=rule,
         parent_id=parent,
         prompt_chars=system_chars + prompt.message_chars,
         message_count=prompt.message_count,
-        seed_key=system_digest if prompt.tools_json or _hashable_system(prompt.system_parts)
-        else None,
+        seed_key=system_digest if prompt.tools_json or system else None,
         system_chars=system_chars,
         chain=_chain(prompt, system_digest),
         chain_chars=_chain_chars(prompt, system_chars),
@@ -346,17 +347,27 @@ def _from_content(prompt: Prompt) -> _Found:
     return _Found(DEFAULT_SESSION, "default")
 
 
-def _system_digest(prompt: Prompt) -> str:
+def _system_digest(prompt: Prompt, system: tuple[str, ...]) -> str:
     """sha256 hex of (system prompt, tools): the seed key when there is either, and the
-    chain's first link. Without the request's `model`: llama-server serves one model whatever
-    name a client sends, so one system prompt under two aliases is one seed (the seed's meta
-    fingerprint still ties it to the server's real model)."""
+    chain's first link. `system`: the prompt's _hashable_system. Without the request's
+    `model`: llama-server serves one model whatever name a client sends, so one system prompt
+    under two aliases is one seed (the seed's meta fingerprint still ties it to the server's
+    real model). The same system prompt and tools come on every turn: hashed once (0.09 ms
+    for Claude Code's), then found by value (the tools' JSON is one string object from
+    prompts' memory, so only the system text is compared)."""
+    return _DIGESTS.get((system, prompt.tools_json),
+                        lambda: _digest_system(system, prompt.tools_json))
+
+
+_DIGESTS: Memo[tuple[tuple[str, ...], str | None], str] = Memo(32)
+_COMPACT_JSON = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
+
+
+def _digest_system(system: tuple[str, ...], tools_json: str | None) -> str:
     # The text _digest({"system": ..., "tools": canonical tools}) would hash, built around the
-    # tools' JSON made once in prompts.tools_of (a coding agent's tools are tens of KB: dumping them
-    # twice was most of identify's time on a Claude Code request, docs/BENCHMARKS.md).
-    system = json.dumps(_hashable_system(prompt.system_parts), ensure_ascii=True,
-                        separators=(",", ":"))
-    text = f'{{"system":{system},"tools":{prompt.tools_json or "null"}}}'
+    # tools' JSON made once in prompts.tools_of (a coding agent's tools are tens of KB: dumping
+    # them twice was most of identify's time on a Claude Code request, docs/BENCHMARKS.md).
+    text = f'{{"system":{_COMPACT_JSON.encode(system)},"tools":{tools_json or "null"}}}'
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
@@ -373,7 +384,7 @@ def _chain(prompt: Prompt, system_digest: str) -> tuple[str, ...]:
     out = [head.hexdigest()]
     for message in prompt.messages:
         step = hashlib.blake2b(out[-1].encode(), digest_size=12)
-        step.update(json.dumps(message, ensure_ascii=True, separators=(",", ":")).encode())
+        step.update(_COMPACT_JSON.encode(message).encode())
         out.append(step.hexdigest())
     return tuple(out)
 
