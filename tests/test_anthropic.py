@@ -462,7 +462,7 @@ def test_messages_request_is_rewritten_to_chat_completions():
     body = {"system": "S", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
             "stream": True}
     flow = post("/v1/messages?beta=true", body, {"accept-encoding": "gzip, br, zstd"})
-    surface.request(flow)
+    surface.on_request(flow)
     assert flow.request.headers["accept-encoding"] == "identity"
     assert flow.request.path == "/v1/chat/completions?beta=true"
     assert flow.metadata[ORIGINAL_PATH_KEY] == "/v1/messages?beta=true"
@@ -478,7 +478,7 @@ def test_gzip_body_is_read_and_sent_plain():
     body = {"messages": [{"role": "user", "content": "hi"}]}
     flow = post("/v1/messages", gzip.compress(json.dumps(body).encode()),
                 {"content-encoding": "gzip"})
-    surface.request(flow)
+    surface.on_request(flow)
     assert "content-encoding" not in flow.request.headers
     assert json.loads(flow.request.content)["messages"] == [{"role": "user", "content": "hi"}]
 
@@ -496,7 +496,7 @@ def test_other_requests_pass_untouched(method, path, body):
     flow = post(path, body)
     flow.request.method = method
     before = flow.request.content
-    surface.request(flow)
+    surface.on_request(flow)
     assert flow.request.path == path
     assert flow.request.content == before
     assert TRANSLATION_KEY not in flow.metadata
@@ -506,7 +506,7 @@ def test_a_body_over_the_limit_is_left_for_slotkeeper_to_refuse():
     keeper = _Keeper()
     keeper.max_body_bytes = 10
     flow = post("/v1/messages", {"messages": [{"role": "user", "content": "a long message"}]})
-    AnthropicMessages(keeper).request(flow)
+    AnthropicMessages(keeper).on_request(flow)
     assert flow.request.path == "/v1/messages"
     assert TRANSLATION_KEY not in flow.metadata
 
@@ -515,7 +515,7 @@ def test_translation_can_be_switched_off():
     surface = AnthropicMessages(_Keeper())
     surface.enabled = False
     flow = post("/v1/messages", {"messages": []})
-    surface.request(flow)
+    surface.on_request(flow)
     assert flow.request.path == "/v1/messages"
 
 
@@ -651,7 +651,7 @@ def test_every_refusal_has_anthropics_error_shape(body, limit, status, kind):
     keeper = _Keeper()
     keeper.max_body_bytes = limit
     flow = post("/v1/messages", body)
-    AnthropicMessages(keeper).request(flow)
+    AnthropicMessages(keeper).on_request(flow)
     assert flow.response.status_code == status
     answer = json.loads(flow.response.content)
     assert answer["type"] == "error" and answer["error"]["type"] == kind
@@ -663,7 +663,7 @@ def test_slotkeepers_own_errors_on_the_route_become_anthropic_errors():
     through MessagesTranslation.whole like llama-server's own."""
     from slotkeeper import replies
     flow = post("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]})
-    AnthropicMessages(_Keeper()).request(flow)
+    AnthropicMessages(_Keeper()).on_request(flow)
     flow.response = replies.error_reply(503, "no llama-server can take the request")
     translation_of(flow).whole(flow.response)
     answer = json.loads(flow.response.content)

@@ -23,7 +23,8 @@ def test_bench_hooks_measures_kept_requests_of_both_versions(llama_bin, model_pa
         assert data["runs"][name][0]["action"] == "kept"
         assert data["summary"][name]["median_us"] > 0
         hooks = data["summary"][name]["hook_us"]
-        assert hooks["SlotKeeper.request"] > 0 and hooks["BrowserGuard.requestheaders"] > 0
+        assert hooks["SlotKeeper.on_request"] > 0 and hooks["Front.request"] > 0
+        assert hooks["BrowserGuard.requestheaders"] > 0
 
 
 def test_bench_hooks_refuses_a_folder_without_the_addon(tmp_path):

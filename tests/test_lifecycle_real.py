@@ -78,7 +78,7 @@ async def hook(coro_or_none) -> None:
 
 async def run_flow(keeper: SlotKeeper, flow: http.HTTPFlow, llama_url: str,
                    fail_upstream: bool = False) -> None:
-    await hook(_call(keeper.request, flow))
+    await hook(_call(keeper.on_request, flow))
     if fail_upstream:
         flow.error = flow.error or tflow.terr()
         flow.response = None

@@ -26,7 +26,7 @@ def run(surface: OllamaSurface, method: str, path: str, body: object = None,
         request.headers[name] = value
     flow = tflow.tflow(req=request)
     flow.client_conn.sockname = ("127.0.0.1", port)
-    pending = surface.request(flow)  # as mitmproxy calls a hook: await what it returns
+    pending = surface.on_request(flow)  # as mitmproxy calls a hook: await what it returns
     if pending is not None:
         asyncio.run(pending)
     return flow

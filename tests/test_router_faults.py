@@ -129,7 +129,7 @@ def test_fault1_lease_released_when_the_request_hook_fails_after_routing(tmp_pat
     addon_module.write_body = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
     try:
         with pytest.raises(RuntimeError):
-            asyncio.run(keeper.request(flow))
+            asyncio.run(keeper.on_request(flow))
     finally:
         addon_module.write_body = original
     assert not lease.held

@@ -1,7 +1,7 @@
 """The mitmproxy glue: the SlotKeeper addon's hooks. A completion request is routed in
-`request` (the router's walk), rewritten (id_slot, cache_prompt) and described; its answer is
-watched for timings in `responseheaders`; it ends in `_end`, the one place every routed flow
-finishes (from `response` or `error`), whatever raised before it. Options: settings.py; what a
+`on_request` (the router's walk; front.py calls it), rewritten (id_slot, cache_prompt) and
+described; its answer is watched for timings in `responseheaders`; it ends in `_end`, the one
+place every routed flow finishes (from `response` or `error`), whatever raised before it. Options: settings.py; what a
 flow shows: flows.py; background work: watch.py."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from .guard import BodyLimit, BrowserGuard
 from .flows import (ROUTE_KEY, SUMMARY_KEY, WATCH_KEY, describe, error_response,
                     note_pass_through, point_at, read_body, refuse_if_too_deep, set_headers,
                     timings_of, upstream_of, without_empty_chunks, write_body)
+from .front import Front
 from .identity import Identity, IdentityConfig, identify
 from .messages import AnthropicMessages
 from .models import model_of_body, unload_targets
@@ -80,7 +81,9 @@ class SlotKeeper:
 
     # ---- a request -------------------------------------------------------------------------
 
-    async def request(self, flow: http.HTTPFlow) -> None:
+    async def on_request(self, flow: http.HTTPFlow) -> None:
+        """A completion is routed; anything else is looked at only for an unload, a body
+        nested too deep, or a pool's server (called by front.Front)."""
         if flow.response is not None:
             return
         post = flow.request.method == "POST"
@@ -380,7 +383,11 @@ class _WhenAwaited:
 def make_addons() -> list:
     """Fresh addon objects: the entry script calls this each time mitmproxy (re)loads it."""
     keeper = SlotKeeper()
-    # The browser guard first (it refuses before anyone answers), then the surfaces that
-    # rewrite a request into llama-server's own API (translation.py).
-    return [BrowserGuard(), OllamaSurface(keeper), AnthropicMessages(keeper), keeper, BodyLimit(),
-            SessionApi(keeper), metrics.MetricsEndpoint(keeper), MitmwebView()]
+    ollama, messages = OllamaSurface(keeper), AnthropicMessages(keeper)
+    api, metrics_endpoint = SessionApi(keeper), metrics.MetricsEndpoint(keeper)
+    # The browser guard first (it refuses before anyone answers). A request then goes through
+    # the front door to the surfaces that rewrite it into llama-server's own API
+    # (translation.py), the keeper, and the addons that answer their own paths.
+    front = Front([ollama, messages, keeper, api, metrics_endpoint])
+    return [BrowserGuard(), front, ollama, messages, keeper, BodyLimit(), api, metrics_endpoint,
+            MitmwebView()]

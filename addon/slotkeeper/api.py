@@ -40,9 +40,9 @@ class SessionApi:
         # keeper: the addon.SlotKeeper (not imported: addon imports this module)
         self.keeper = keeper
 
-    def request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+    def on_request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         """Answers the API's own paths; any other request passes on without a coroutine being
-        made for it (every request meets this hook)."""
+        made for it (every request comes here, from front.Front)."""
         path = flow.request.path.split("?", 1)[0]
         pool = path == POOL_PREFIX or path.startswith(POOL_PREFIX + "/")
         if flow.response is not None or not (

@@ -67,7 +67,7 @@ class AnthropicMessages:
         if "slotkeeper_translate_messages" in updated:
             self.enabled = ctx.options.slotkeeper_translate_messages
 
-    def request(self, flow: http.HTTPFlow) -> None:
+    def on_request(self, flow: http.HTTPFlow) -> None:
         req = flow.request
         if (not self.enabled or flow.response is not None or req.method != "POST"
                 or not anthropic.is_messages_route(req.path)):

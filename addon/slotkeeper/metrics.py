@@ -387,9 +387,9 @@ class MetricsEndpoint:
     def load(self, loader) -> None:
         bind(self.keeper)
 
-    def request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+    def on_request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         """Answers /metrics; any other request passes on without a coroutine being made for it
-        (every request meets this hook)."""
+        (every request comes here, from front.Front)."""
         if flow.response is not None or not _METRICS_PATH.match(
                 flow.request.path.split("?", 1)[0]):
             return None

@@ -109,9 +109,9 @@ class OllamaSurface:
 
     # ---- routing ---------------------------------------------------------------------------
 
-    def request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+    def on_request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         """Ollama's routes; any other request passes on without a coroutine being made for it
-        (every request meets this hook)."""
+        (every request comes here, from front.Front)."""
         if flow.response is not None:
             return None
         req = flow.request
