@@ -157,7 +157,7 @@ def test_seed_key_is_the_digest_of_system_and_canonical_tools(client: str) -> No
         whole = json.dumps({"system": system, "tools": canonical},
                            ensure_ascii=True, sort_keys=True, separators=(",", ":"))
         for _twice in range(2):  # made, then found in the memory: the same digest
-            assert identity._system_digest(prompt, system) == hashlib.sha256(
+            assert identity._system_digest(prompt, system)[0] == hashlib.sha256(
                 whole.encode()).hexdigest()
         if canonical is not None:
             exact = len(json.dumps(canonical, ensure_ascii=False, sort_keys=True,

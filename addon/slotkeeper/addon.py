@@ -17,12 +17,12 @@ from mitmproxy import ctx, http
 from . import bodies, cors, metrics, placement, settings
 from .api import SessionApi
 from .choice import SlotOutOfRange
-from .bodies import BodyError, BodyRefused, SseTimingsWatcher, Timings
+from .bodies import SseTimingsWatcher, Timings
 from .contentview import MitmwebView
 from .guard import BodyLimit, BrowserGuard
-from .flows import (ROUTE_KEY, SUMMARY_KEY, WATCH_KEY, describe, error_response,
-                    note_pass_through, point_at, read_body, refuse_if_too_deep, set_headers,
-                    timings_of, upstream_of, without_empty_chunks, write_body)
+from .flows import (ROUTE_KEY, SUMMARY_KEY, WATCH_KEY, checked_body, describe, error_response,
+                    note_pass_through, point_at, refuse_if_too_deep, set_headers, timings_of,
+                    upstream_of, without_empty_chunks, write_body)
 from .front import Front
 from .identity import Identity, IdentityConfig, identify
 from .messages import AnthropicMessages
@@ -94,12 +94,13 @@ class SlotKeeper:
                 refuse_if_too_deep(flow, self.max_body_bytes)
             point_at_any(self.router, flow)
             return
-        checked = self._checked_body(flow)
+        checked = checked_body(flow, self.max_body_bytes)
         if checked is None:
             return
         body_text, data, client_slot = checked
         ident = identify(flow.request.path, flow.request.headers, data, self.identity_config)
-        route = await self._route(flow, ident, client_slot, data)
+        route = self._keep(flow, ident, client_slot, data) or await self._route(
+            flow, ident, client_slot, data)
         if route is None:
             return
         try:
@@ -121,55 +122,33 @@ class SlotKeeper:
                      route.slot, route.action, f" ({route.detail})" if route.detail else "",
                      route.ms)
 
-    def _checked_body(self, flow: http.HTTPFlow) -> tuple[bytes, dict, int | None] | None:
-        """The body's JSON text, its object and the client's own id_slot; None when the flow
-        was answered here (refused) or is passed through unchanged."""
-        try:
-            body_text, data = read_body(flow, self.max_body_bytes)
-        except BodyRefused as e:
-            # Too large, or nested deeper than anything we (or llama-server) should parse:
-            # answered here, never forwarded.
-            flow.response = error_response(e.status, str(e))
-            metrics.request(flow.request.path, "rejected")
-            log.info("%s %s refused (%d): %s", flow.request.method, flow.request.path, e.status, e)
+    def _keep(self, flow: http.HTTPFlow, ident: Identity, client_slot: int | None,
+              data: dict) -> Route | None:
+        """The fast path, on the event loop: a session resident on a server that can keep it
+        keeps its slot (no network, no thread hop). None: take the slow path (`_route`)."""
+        assert self.router is not None
+        pool = self.router.pool
+        url = (pool.sticky_upstream(ident.session_id) or "") if pool.pooled else upstream_of(flow)
+        if client_slot is not None or not url:
             return None
-        except BodyError as e:
-            note_pass_through(flow, str(e))
-            return None
-        try:
-            client_slot = bodies.client_slot(data)
-            bodies.check_cache_prompt(data)
-        except BodyError as e:
-            flow.response = error_response(400, str(e))
-            metrics.request(flow.request.path, "rejected")
-            return None
-        return body_text, data, client_slot
-
-    async def _route(self, flow: http.HTTPFlow, ident: Identity,
-                     client_slot: int | None, data: dict) -> Route | None:
-        route = await self._place_and_route(flow, ident, client_slot, data)
-        if route is not None and self.router is not None and self.router.pool.pooled:
+        route = self.router.try_keep(url, ident, model_of_body(data))
+        if route is not None and pool.pooled:
+            route.placement = placement.STAY
             point_at(flow, route.upstream)
         return route
 
-    async def _place_and_route(self, flow: http.HTTPFlow, ident: Identity,
-                               client_slot: int | None, data: dict) -> Route | None:
-        assert self.router is not None
+    async def _route(self, flow: http.HTTPFlow, ident: Identity,
+                     client_slot: int | None, data: dict) -> Route | None:
+        """The slow path, on a worker: every request the fast path did not keep is placed
+        (router.route, through the pool room). None: answered here, or passed through."""
+        router = self.router
+        assert router is not None
         url = upstream_of(flow)
-        if self.router.pool.pooled:
-            # The fast path only for a session resident on a server that can keep it; the
-            # slow path places every other request (router.route, through the pool room).
-            url = self.router.pool.sticky_upstream(ident.session_id) or ""
-        route = (self.router.try_keep(url, ident, model_of_body(data))
-                 if client_slot is None and url else None)
-        if route is not None:
-            if self.router.pool.pooled:
-                route.placement = placement.STAY
-            return route
+        if router.pool.pooled:
+            url = router.pool.sticky_upstream(ident.session_id) or url
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self.pool, self.router.route, url or upstream_of(flow), ident, client_slot,
-                flow.request.path, data)
+            route = await asyncio.get_running_loop().run_in_executor(
+                self.pool, router.route, url, ident, client_slot, flow.request.path, data)
         except SlotOutOfRange as e:
             flow.response = error_response(400, str(e))
             metrics.request(flow.request.path, "rejected")
@@ -183,18 +162,23 @@ class SlotKeeper:
             log.exception("routing failed; forwarding unpinned")
             note_pass_through(flow, f"routing failed: {type(e).__name__}: {e}", marker="error")
             return None
+        if router.pool.pooled:
+            point_at(flow, route.upstream)
+        return route
 
     # ---- its answer, and its end -----------------------------------------------------------
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is None:
             return
+        headers = flow.response.headers
         # Every answer meets this hook (mitmproxy calls it for one made in a request hook too):
         # the CORS headers decided on the request go on here, not in a hook of their own.
-        cors.put_answer_headers(flow.response.headers, flow.metadata.get(cors.ANSWER_KEY))
+        decided = flow.metadata.get(cors.ANSWER_KEY)
+        if decided:
+            cors.put_answer_headers(headers, decided)
         route: Route | None = flow.metadata.get(ROUTE_KEY)
         translation = translation_of(flow)
-        headers = flow.response.headers
         streamed = "text/event-stream" in headers.get("content-type", "")
         if route is not None:
             set_headers(headers, {

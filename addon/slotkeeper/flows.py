@@ -10,7 +10,7 @@ from collections.abc import Callable
 from mitmproxy import http
 
 from . import bodies, metrics
-from .bodies import BodyError, SseTimingsWatcher, Timings
+from .bodies import BodyError, BodyRefused, SseTimingsWatcher, Timings
 from .contentview import flow_comment
 from .identity import Identity
 from .replies import error_reply as error_response
@@ -134,6 +134,31 @@ def read_body(flow: http.HTTPFlow, max_bytes: int) -> tuple[bytes, dict]:
         return parsed
     text = bodies.read_body(raw, flow.request.headers.get("content-encoding", ""), max_bytes)
     return text, bodies.parse_json_object(text)
+
+
+def checked_body(flow: http.HTTPFlow, max_bytes: int) -> tuple[bytes, dict, int | None] | None:
+    """A completion's body: its JSON text, its object and the client's own id_slot; None when
+    the flow was answered here (refused) or is passed through unchanged."""
+    try:
+        body_text, data = read_body(flow, max_bytes)
+    except BodyRefused as e:
+        # Too large, or nested deeper than anything we (or llama-server) should parse:
+        # answered here, never forwarded.
+        flow.response = error_response(e.status, str(e))
+        metrics.request(flow.request.path, "rejected")
+        log.info("%s %s refused (%d): %s", flow.request.method, flow.request.path, e.status, e)
+        return None
+    except BodyError as e:
+        note_pass_through(flow, str(e))
+        return None
+    try:
+        client_slot = bodies.client_slot(data)
+        bodies.check_cache_prompt(data)
+    except BodyError as e:
+        flow.response = error_response(400, str(e))
+        metrics.request(flow.request.path, "rejected")
+        return None
+    return body_text, data, client_slot
 
 
 def refuse_if_too_deep(flow: http.HTTPFlow, max_bytes: int) -> None:

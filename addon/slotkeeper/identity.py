@@ -12,6 +12,7 @@ function accepts any value and never raises; session ids come out normalised (se
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -138,7 +139,7 @@ def identify(path: str, headers: Mapping[str, str], body: object,
     # The seed key and the chain's first link hash the same material: hashed once (a coding
     # agent's tools alone are tens of KB of JSON).
     system = _hashable_system(prompt.system_parts)
-    system_digest = _system_digest(prompt, system)
+    system_digest, chain_head = _system_digest(prompt, system)
     return Identity(
         session_id=session,
         rule=rule,
@@ -147,7 +148,7 @@ def identify(path: str, headers: Mapping[str, str], body: object,
         message_count=prompt.message_count,
         seed_key=system_digest if prompt.tools_json or system else None,
         system_chars=system_chars,
-        chain=_chain(prompt, system_digest),
+        chain=_chain(prompt, chain_head),
         chain_chars=_chain_chars(prompt, system_chars),
         side_task=asks_for_side_task(
             has_tools=prompt.tools_json is not None,
@@ -206,13 +207,23 @@ def _header_id(header_values: Mapping[str, str], name: str) -> str | None:
 
 
 def _from_headers(header_values: Mapping[str, str], config: IdentityConfig) -> _Found | None:
-    extra = config.extra_headers if isinstance(config.extra_headers, (tuple, list)) else ()
-    names = SESSION_HEADERS + tuple(n.strip().lower() for n in extra if isinstance(n, str))
+    extra = config.extra_headers
+    extra = tuple(extra) if isinstance(extra, (tuple, list)) else ()
+    try:
+        names = _header_names(extra)
+    except TypeError:  # an unhashable item: not a header name, and not worth a cache
+        names = _header_names.__wrapped__(extra)
     for name in names:
         value = _header_id(header_values, name)
         if value is not None:
             return _Found(_normalise_id(value), f"header {name}")
     return None
+
+
+@functools.lru_cache(maxsize=16)
+def _header_names(extra: tuple) -> tuple[str, ...]:
+    """The built-in session headers, then the configured ones (made once per option value)."""
+    return SESSION_HEADERS + tuple(n.strip().lower() for n in extra if isinstance(n, str))
 
 
 # ---- rule 2: body ---------------------------------------------------------------------------
@@ -347,9 +358,9 @@ def _from_content(prompt: Prompt) -> _Found:
     return _Found(DEFAULT_SESSION, "default")
 
 
-def _system_digest(prompt: Prompt, system: tuple[str, ...]) -> str:
-    """sha256 hex of (system prompt, tools): the seed key when there is either, and the
-    chain's first link. `system`: the prompt's _hashable_system. Without the request's
+def _system_digest(prompt: Prompt, system: tuple[str, ...]) -> tuple[str, str]:
+    """sha256 hex of (system prompt, tools): the seed key when there is either; and the
+    chain's first link, made from it. `system`: the prompt's _hashable_system. Without the request's
     `model`: llama-server serves one model whatever name a client sends, so one system prompt
     under two aliases is one seed (the seed's meta fingerprint still ties it to the server's
     real model). The same system prompt and tools come on every turn: hashed once (0.09 ms
@@ -359,29 +370,30 @@ def _system_digest(prompt: Prompt, system: tuple[str, ...]) -> str:
                         lambda: _digest_system(system, prompt.tools_json))
 
 
-_DIGESTS: Memo[tuple[tuple[str, ...], str | None], str] = Memo(32)
+_DIGESTS: Memo[tuple[tuple[str, ...], str | None], tuple[str, str]] = Memo(32)
 _COMPACT_JSON = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 
 
-def _digest_system(system: tuple[str, ...], tools_json: str | None) -> str:
+def _digest_system(system: tuple[str, ...], tools_json: str | None) -> tuple[str, str]:
     # The text _digest({"system": ..., "tools": canonical tools}) would hash, built around the
     # tools' JSON made once in prompts.tools_of (a coding agent's tools are tens of KB: dumping
     # them twice was most of identify's time on a Claude Code request, docs/BENCHMARKS.md).
     text = f'{{"system":{_COMPACT_JSON.encode(system)},"tools":{tools_json or "null"}}}'
-    return hashlib.sha256(text.encode("ascii")).hexdigest()
+    digest = hashlib.sha256(text.encode("ascii")).hexdigest()
+    return digest, hashlib.blake2b(digest.encode(), digest_size=12).hexdigest()
 
 
 # Roles whose text the chain leaves out: a client re-sends its model's earlier replies the
 # way it likes (reasoning stripped, whitespace trimmed, tool calls re-serialised), which would
 # break every conversation's chain at each turn. What the user and the tools said is what
 # tells two conversations apart; the reply only counts as a message in its place.
-def _chain(prompt: Prompt, system_digest: str) -> tuple[str, ...]:
+def _chain(prompt: Prompt, head: str) -> tuple[str, ...]:
     """Cumulative hashes of (system block, message 1, message 2, ...); () for a raw prompt.
-    blake2b: about twice as fast as sha256 here, and 12 bytes tell conversations apart."""
+    blake2b: about twice as fast as sha256 here, and 12 bytes tell conversations apart.
+    `head`: the system block's link (_digest_system)."""
     if prompt.raw_prompt is not None or not prompt.messages:
         return ()
-    head = hashlib.blake2b(system_digest.encode(), digest_size=12)
-    out = [head.hexdigest()]
+    out = [head]
     for message in prompt.messages:
         step = hashlib.blake2b(out[-1].encode(), digest_size=12)
         step.update(_COMPACT_JSON.encode(message).encode())

@@ -9,7 +9,6 @@ same with a try block, which costs less. Blocking except `keep`: worker threads.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 
