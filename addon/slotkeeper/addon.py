@@ -1,8 +1,8 @@
 """The mitmproxy glue: the SlotKeeper addon's hooks. A completion request is routed in
 `on_request` (the router's walk; front.py calls it), rewritten (id_slot, cache_prompt) and
 described; its answer is watched for timings in `responseheaders`; it ends in `_end`, the one
-place every routed flow finishes (from `response` or `error`), whatever raised before it. Options: settings.py; what a
-flow shows: flows.py; background work: watch.py."""
+place every routed flow finishes (from `response` or `error`), whatever raised before it.
+Options: settings.py; what a flow shows: flows.py; background work: watch.py."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ through its `on_request`, as mitmproxy would dispatch their own `request` hooks.
 Why one hook and not five: mitmproxy's dispatch costs each request something for every hook
 an addon has, before the hook does anything (the hook's arguments are rebuilt per hook, its
 result inspected), and most requests concern one addon at most. One hook in place of five cut
-~12 µs per kept request in-process (docs/BENCHMARKS.md, section 3). Like mitmproxy with a
+7-12 µs per kept request in-process (docs/BENCHMARKS.md, section 3). Like mitmproxy with a
 script's addons, an exception in one addon ends the hook for the addons after it (mitmproxy
 logs it), and each addon skips a request another one already answered (`flow.response`)."""
 

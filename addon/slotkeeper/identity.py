@@ -360,10 +360,10 @@ def _from_content(prompt: Prompt) -> _Found:
 
 def _system_digest(prompt: Prompt, system: tuple[str, ...]) -> tuple[str, str]:
     """sha256 hex of (system prompt, tools): the seed key when there is either; and the
-    chain's first link, made from it. `system`: the prompt's _hashable_system. Without the request's
-    `model`: llama-server serves one model whatever name a client sends, so one system prompt
-    under two aliases is one seed (the seed's meta fingerprint still ties it to the server's
-    real model). The same system prompt and tools come on every turn: hashed once (0.09 ms
+    chain's first link, made from it. `system`: the prompt's _hashable_system. Without the
+    request's `model`: llama-server serves one model whatever name a client sends, so one
+    system prompt under two aliases is one seed (the seed's meta fingerprint still ties it to
+    the server's real model). The same system prompt and tools come on every turn: hashed once (0.09 ms
     for Claude Code's), then found by value (the tools' JSON is one string object from
     prompts' memory, so only the system text is compared)."""
     return _DIGESTS.get((system, prompt.tools_json),

@@ -1,9 +1,9 @@
-"""The Ollama surface: the mitmproxy side of the ollama_* modules. Listed before SlotKeeper, it
-rewrites `/api/chat` and `/api/generate` into llama-server completion requests (which
-SlotKeeper then routes, pins and saves like any other) and leaves a Translation that turns the
-answer back into Ollama's. `/api/tags` and `/api/ps` are rewritten to llama-server's
-`/v1/models` and `/api/show` to `/props`; `/api/version`, `/`, CORS preflights and OpenWebUI's load/unload
-calls are answered here."""
+"""The Ollama surface: the mitmproxy side of the ollama_* modules. Handed each request before
+SlotKeeper (front.py), it rewrites `/api/chat` and `/api/generate` into llama-server completion
+requests (which SlotKeeper then routes, pins and saves like any other) and leaves a Translation
+that turns the answer back into Ollama's. `/api/tags` and `/api/ps` are rewritten to
+llama-server's `/v1/models` and `/api/show` to `/props`; `/api/version`, `/`, CORS preflights
+and OpenWebUI's load/unload calls are answered here."""
 
 from __future__ import annotations
 
