@@ -165,3 +165,33 @@ def test_seed_key_is_the_digest_of_system_and_canonical_tools(client: str) -> No
             assert abs(prompt.tools_chars - exact) <= exact // 100, (prompt.tools_chars, exact)
             checked += 1
     assert checked, f"no request with tools in the {client} corpus"
+
+
+@pytest.mark.parametrize("client", CLIENT_NAMES)
+def test_chain_is_the_cumulative_hash_it_always_was(client: str) -> None:
+    """The chain is recorded in the state file: blake2b links from the system digest over each
+    message's (role, texts) JSON, the same whether the system digest was made or found in the
+    memory, or every recorded conversation would stop matching after an upgrade."""
+    import hashlib
+
+    from mitmproxy.http import Headers
+
+    from slotkeeper import identity, prompts
+
+    checked = 0
+    for entry in load(client):
+        prompt = prompts.read_prompt(entry["path"], entry["body"])
+        if prompt.raw_prompt is not None or not prompt.messages:
+            continue
+        system = identity._hashable_system(prompt.system_parts)
+        digest = identity._system_digest(prompt, system)[0]
+        links = [hashlib.blake2b(digest.encode(), digest_size=12).hexdigest()]
+        for message in prompt.messages:
+            step = hashlib.blake2b(links[-1].encode(), digest_size=12)
+            step.update(json.dumps(message, ensure_ascii=True, separators=(",", ":")).encode())
+            links.append(step.hexdigest())
+        headers = Headers([(k.encode(), v.encode()) for k, v in entry["headers"]])
+        for _twice in range(2):
+            assert identity.identify(entry["path"], headers, entry["body"]).chain == tuple(links)
+        checked += 1
+    assert checked, f"no conversation in the {client} corpus"
