@@ -294,14 +294,19 @@ def test_llama_server_placed_every_request_by_id(conformance: Conformance) -> No
 @pytest.mark.parametrize("client", CLIENT_NAMES)
 def test_every_request_is_answered_200(conformance: Conformance, client: str) -> None:
     """No request of a client failed, and none was abandoned by the client before its answer
-    (a client that gives up on a request is a symptom, even when it retries)."""
+    (a client that gives up on a request is a symptom, even when it retries). Two ways of
+    leaving are the clients' own and no symptom: `left_after_answer`, `left_when_done`."""
     flows = [f for f in conformance.flows if f.client == client]
     assert flows, f"{client}: no request reached slotkeeper"
     bad = [f"{f.describe()}: status {f.record['status']}, error {f.record['error']}, "
            f"{f.record['ended'] - f.record['started']:.1f} s after it started"
-           for f in flows if f.record["status"] != 200 or (f.record["error"]
-                                                           and not left_after_answer(f))]
+           for f in flows if not answered(f) and not left_when_done(conformance, f)]
     assert not bad, bad
+
+
+def answered(flow: Flow) -> bool:
+    return flow.record["status"] == 200 and (not flow.record["error"]
+                                             or left_after_answer(flow))
 
 
 def left_after_answer(flow: Flow) -> bool:
@@ -311,3 +316,24 @@ def left_after_answer(flow: Flow) -> bool:
     summary = flow.record.get("slotkeeper") or {}
     return (flow.record["error"] == "Client disconnected."
             and bool(summary.get("left_after_final_event")) and "prefilled" in summary)
+
+
+# The client's exit and mitmproxy's notice of the closed connection are two clocks apart.
+EXIT_NOTICED_S = 2.0
+
+
+def left_when_done(conformance: Conformance, flow: Flow) -> bool:
+    """`opencode run` sends its title request beside the turn and exits when the turn is
+    answered, whether the title is or not (facts file: "title requests ... from which the agent
+    exits before the answer"). Which of the two ends first is the server's race: both share
+    its batch with the other clients' prefills (CI, 2026-12-05: the title left unanswered after
+    18.7 s). That is no abandoned request when it was a side request, the run had succeeded,
+    every main request of the phase had its answer, and the connection closed as the process
+    ended."""
+    run = conformance.runs[flow.client, flow.phase]
+    mains = conformance.of(flow.client, flow.phase)
+    return (not flow.main and flow.record["error"] is not None
+            and "client disconnected" in flow.record["error"].lower()
+            and run.returncode == 0 and bool(mains) and all(answered(f) for f in mains)
+            and flow.record["ended"] >= run.ended - EXIT_NOTICED_S
+            and all(f.record["ended"] <= flow.record["ended"] for f in mains))
