@@ -195,19 +195,20 @@ def test_seed_builds_are_counted(make_llama, make_proxy, tmp_path):
     first = Chat("s1", system)
     first.ask(proxy.url, "hi")
     first.ask(proxy.url, "and again")  # a conversation: it comes back
-    # The second conversation with the system prompt: its seed is taken after its answer
-    # (issue #23), from its slot, after saving the session itself.
-    Chat("s2", system).ask(proxy.url, "hello")
+    # The second conversation with the system prompt starts from s1's prefix (s1 saved from
+    # its slot, restored into s2's); its seed is taken after its answer (issue #23), from its
+    # slot, after saving the session itself.
+    assert Chat("s2", system).ask(proxy.url, "hello")["action"] == "restored"
     turn = Chat("s3", system).ask(proxy.url, "hey")
     assert turn["action"] == "seeded"
     m = scrape(proxy.url)
     assert value(m, "slotkeeper_slot_operations_total", operation="seed_build",
                  outcome="ok") == 1
     assert value(m, "slotkeeper_slot_operation_seconds_count", operation="seed_build") == 1
-    # The seed is saved like any snapshot (after s2's own save), holding what the third
-    # session then reused; the server prefilled nothing for it: cutting s2's slot down to the
-    # system prefix evaluates one token.
-    assert value(m, "slotkeeper_slot_operations_total", operation="save", outcome="ok") == 2
+    # The seed is saved like any snapshot (after s1's save and s2's own), holding what the
+    # third session then reused; the server prefilled nothing for it: cutting s2's slot down
+    # to the system prefix evaluates one token.
+    assert value(m, "slotkeeper_slot_operations_total", operation="save", outcome="ok") == 3
     assert value(m, "slotkeeper_slot_operation_tokens_total", operation="save") >= \
         turn["cache_n"] > 0
     assert 1 <= value(m, "slotkeeper_slot_operation_tokens_total", operation="seed_build") <= 2

@@ -87,3 +87,31 @@ def test_a_new_opening_starts_from_any_conversation_with_its_long_system_block(t
     s.remember(URL, one.session_id, one)
     other = s.resolve(URL, ask([short, {"role": "user", "content": "another one " * 20}]))
     assert other.session_id != one.session_id and other.prefix is None
+
+
+def test_a_new_header_session_takes_the_latest_conversation_with_its_long_block(tmp_path):
+    """The second conversation of a system prompt (its own session id) gets the first as its
+    parent, as a content request that opens something new does; never itself, never for a
+    short block, never a content-identified request (those fork in `resolve`)."""
+    s = sessions(tmp_path)  # small requests: under 100 characters
+    system = {"role": "system", "content": "you are an agent " * 20}
+    first = ask([system, {"role": "user", "content": "task one"}], {"x-session-id": "one"})
+    assert s.with_parent(URL, first).prefix is None  # nobody before it
+    s.remember(URL, "one", first)
+    second = ask([system, {"role": "user", "content": "task two"}], {"x-session-id": "two"})
+    parented = s.with_parent(URL, second)
+    assert parented.session_id == "two"
+    assert parented.prefix is not None and parented.prefix.session == "one"
+    assert parented.prefix.items == 1 and parented.prefix.chars == second.chain_chars[0]
+    assert parented.prefix.parent_chars == first.prompt_chars
+    # Its own later request is no parent of itself: the latest other one is.
+    s.remember(URL, "two", second)
+    again = ask([system, {"role": "user", "content": "task two, again"}], {"x-session-id": "two"})
+    assert s.with_parent(URL, again).prefix.session == "one"
+    short = {"role": "system", "content": "be brief"}
+    s.remember(URL, "three", ask([short, {"role": "user", "content": "q " * 60}],
+                                 {"x-session-id": "three"}))
+    fourth = ask([short, {"role": "user", "content": "r " * 60}], {"x-session-id": "four"})
+    assert s.with_parent(URL, fourth).prefix is None
+    content = ask([system, {"role": "user", "content": "task five"}])
+    assert content.rule == "content" and s.with_parent(URL, content) is content

@@ -11,7 +11,7 @@ import logging
 
 from . import metrics, policy
 from .identity import Identity
-from .locks import SlotLease
+from .locks import SlotLease, SlotLocks
 from .routes import ASSIGNED, RESTORED, SEEDED, Route
 from .saves import Saves
 from .snapshots import Snapshots, seed_id
@@ -29,9 +29,10 @@ class Handover:
     Does not touch: which slot or server (the walk and the pool decided), leases (the
     caller holds the slot's), what happens after the answer."""
 
-    def __init__(self, state: StateFile, saves: Saves, snapshots: Snapshots | None,
-                 erase_on_handover: bool) -> None:
+    def __init__(self, state: StateFile, locks: SlotLocks, saves: Saves,
+                 snapshots: Snapshots | None, erase_on_handover: bool) -> None:
         self.state = state
+        self.locks = locks
         self.saves = saves
         self.snapshots = snapshots
         self.erase_on_handover = erase_on_handover
@@ -53,7 +54,7 @@ class Handover:
             metrics.eviction("session", saved)
             if saved:
                 notes.append(f"saved {previous.owner}")
-        action, restored = self._restore(info, ident, slot, notes)
+        action, restored = self._restore(url, info, ident, slot, notes)
         if not restored and self.erase_on_handover:
             try:
                 with metrics.timed("erase"):
@@ -64,15 +65,19 @@ class Handover:
             log.warning("%s: llama-server answers save/restore/erase with 501: start it with "
                         "--slot-save-path set to slotkeeper_slot_dir; sessions are pinned but "
                         "not saved", url)
-        self.saves.mark_fresh(url, slot, session, restored)
+        self.saves.mark_fresh(url, slot, session, restored, kept_on_disk=action != PREFIXED)
         prefix_from = ident.prefix.session if action == PREFIXED and ident.prefix else ""
         return Route(url, session, ident.rule, slot,
                      RESTORED if action == PREFIXED else action, detail="; ".join(notes),
                      lease=lease, restored_tokens=restored, prefix_from=prefix_from)
 
-    def _restore(self, info: UpstreamInfo, ident: Identity, slot: int,
+    def _restore(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
                  notes: list[str]) -> tuple[str, int]:
-        """The session's own snapshot, else its system prompt's seed: (action, tokens)."""
+        """The session's own snapshot; else its parent's snapshot and its system prompt's
+        seed, the parent first for a content fork (it shares the opening: more than the
+        seed) and last for a header session's parent (only the system block: the seed holds
+        that and nothing else); else the parent's KV saved now from its slot: (action,
+        tokens)."""
         snapshots, props = self.snapshots, info.props
         if snapshots is None or props is None:
             return ASSIGNED, 0
@@ -80,7 +85,8 @@ class Handover:
                                      ident.message_count, notes)
         if restored:
             return RESTORED, restored
-        restored = self._restore_prefix(info, ident, slot, notes)
+        fork = ident.rule == "content"
+        restored = self._restore_prefix(info, ident, slot, notes) if fork else 0
         if restored:
             return PREFIXED, restored
         if ident.seed_key is not None:
@@ -88,7 +94,47 @@ class Handover:
                                          ident.message_count, notes, what="seed")
             if restored:
                 return SEEDED, restored
+        restored = 0 if fork else self._restore_prefix(info, ident, slot, notes)
+        if restored:
+            return PREFIXED, restored
+        if self._save_resident_parent(url, info, ident, notes):
+            restored = self._restore_prefix(info, ident, slot, notes)
+            if restored:
+                return PREFIXED, restored
         return ASSIGNED, 0
+
+    def _save_resident_parent(self, url: str, info: UpstreamInfo, ident: Identity,
+                              notes: list[str]) -> bool:
+        """The parent's KV is on its own slot here and newer than its snapshot (the second
+        conversation of a system prompt, while the first is young): save it now, if the
+        server will reuse it after a restore and the parent's slot is idle (never waited
+        for: it is the parent's). True when the parent's snapshot is current afterwards."""
+        prefix = ident.prefix
+        if prefix is None:
+            return False
+        up = self.state.read().upstreams.get(url)
+        slot = up.slot_of(prefix.session) if up is not None else None
+        if slot is None or up.slots[slot].stale:
+            return False
+        rec = up.slots[slot]
+        seen = info.last_seen.get(prefix.session)
+        tokens = max(rec.tokens, seen.tokens if seen is not None else 0)
+        if rec.saved_tokens >= tokens or not policy.prefix_restore_tokens(
+                prefix, snapshot_tokens=tokens,
+                snapshot_messages=info.messages_of(prefix.session, rec.messages)):
+            return False
+        lease = self.locks.try_acquire(url, slot, exclusive=True)
+        if lease is None:
+            return False
+        with lease:
+            current = self.state.read().upstreams.get(url)
+            rec = current.slots.get(slot) if current is not None else None
+            if rec is None or rec.owner != prefix.session or rec.stale:
+                return False
+            saved = self.saves.save_if_worth(url, info, slot, rec, tokens)
+        if saved:
+            notes.append(f"saved {prefix.session} from slot {slot} to start from its prefix")
+        return saved
 
     def _restore_prefix(self, info: UpstreamInfo, ident: Identity, slot: int,
                         notes: list[str]) -> int:

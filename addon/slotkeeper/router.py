@@ -68,7 +68,8 @@ class Router:
         self.saves = Saves(state, self.snapshots, config.min_save_tokens)
         self.pool = Pool(config, state, locks, folder, clock, self.upstreams, self.sessions,
                          self.saves)
-        self.handover = Handover(state, self.saves, self.snapshots, config.erase_on_handover)
+        self.handover = Handover(state, locks, self.saves, self.snapshots,
+                                config.erase_on_handover)
         self.first_turns = FirstTurns(state, self.upstreams, self.saves, self.snapshots, seeds,
                                       config.seed_min_chars)
         self.walk = Walk(config, state, locks, clock, self.upstreams, self.sessions,

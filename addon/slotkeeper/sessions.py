@@ -86,13 +86,36 @@ class Sessions:
         system prompt and tools, then a transcript that grows each time, so no two share an
         opening; llama-server's own cache reuses the block, issue #23)."""
         parent, shared = _longest(ident.chain, chains, policy.MIN_CONTINUED_PREFIX)
-        if not parent and ident.chain_chars and ident.chain_chars[0] >= self.small_request_chars:
+        if not parent and self._long_block(ident):
             parent, shared = _longest(ident.chain, self.chains, 1)
-        if not parent or parent == session or not ident.chain_chars:
+        if not parent or parent == session:
             return ident if session == ident.session_id else replace(ident, session_id=session)
-        conversation = known.get(parent) or self.conversations.get((url, parent))
+        return self._with_prefix(url, replace(ident, session_id=session), parent, shared,
+                                 known.get(parent))
+
+    def with_parent(self, url: str, ident: Identity) -> Identity:
+        """A header-identified session with no slot here: its parent is the latest
+        conversation with its long system block, as for a content request that opens
+        something new (`_fork`). Its handover starts it from the parent's prefix when that
+        pays and no snapshot of its own exists: the second conversation of a system prompt,
+        which llama-server alone on one slot starts from the first's (DESIGN, "The second
+        conversation")."""
+        if ident.prefix is not None or ident.rule == "content" or not self._long_block(ident):
+            return ident
+        parent, shared = _longest(ident.chain, self.chains, 1, exclude=ident.session_id)
+        return self._with_prefix(url, ident, parent, shared, None) if parent else ident
+
+    def _long_block(self, ident: Identity) -> bool:
+        """A system block (system prompt and tools) long enough to be worth a restore."""
+        return bool(ident.chain_chars) and ident.chain_chars[0] >= self.small_request_chars
+
+    def _with_prefix(self, url: str, ident: Identity, parent: str, shared: int,
+                     known: Conversation | None) -> Identity:
+        if not ident.chain_chars:
+            return ident
+        conversation = known or self.conversations.get((url, parent))
         parent_chars = conversation.chars if conversation is not None else 0
-        return replace(ident, session_id=session, prefix=policy.Prefix(
+        return replace(ident, prefix=policy.Prefix(
             parent, shared, ident.chain_chars[shared - 1], parent_chars))
 
     def conversation_of(self, url: str, session: str,
@@ -225,13 +248,15 @@ def conversation_fields(ident: Identity) -> dict:
 
 
 def _longest(chain: tuple[str, ...], chains: Mapping[str, tuple[str, ...]],
-             at_least: int) -> tuple[str, int]:
+             at_least: int, exclude: str = "") -> tuple[str, int]:
     """The session whose chain shares the most leading items with `chain`, and how many
-    (0 and "" when none shares `at_least`). Among equals the one written last (`chains` is
-    oldest first): an agent's memory requests all share only their system block with the
-    next, and the latest holds the most of the next one's transcript."""
+    (0 and "" when none shares `at_least`), `exclude` aside. Among equals the one written
+    last (`chains` is oldest first): an agent's memory requests all share only their system
+    block with the next, and the latest holds the most of the next one's transcript."""
     parent, shared = "", at_least - 1
     for other, theirs in chains.items():
+        if other == exclude:
+            continue
         n = policy.common_prefix(chain, theirs)
         if n >= shared and n >= at_least:
             parent, shared = other, n

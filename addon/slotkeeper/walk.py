@@ -104,6 +104,8 @@ class Walk:
             except Exception:
                 log.exception("removing the leftovers of one-off requests failed")
             return route
+        if owned is None:
+            ident = self.sessions.with_parent(url, ident)
         # Remembered before the handover: a request of the session arriving meanwhile must be
         # judged against this conversation.
         self.sessions.remember(url, ident.session_id, ident)
