@@ -84,7 +84,10 @@ def test_demo_runs_sessions_through_slotkeeper_beside_direct(llama_bin: Path, mo
     assert sorted(rows) == [(f"demo-{s}", t) for s in (1, 2, 3) for t in (1, 2)]
     for s in ("demo-1", "demo-2", "demo-3"):
         first, second = rows[s, 1], rows[s, 2]
-        assert first["action"] in {"assigned", "seeded"}, first
+        # demo-1 starts cold; the others from the seed, or demo-1's prefix (its KV saved and
+        # restored while it is young: "The second conversation of a system prompt").
+        assert first["action"] in ({"assigned"} if s == "demo-1" else
+                                   {"assigned", "seeded", "restored"}), first
         assert first["slot"] in {"0", "1"}, first
         # Three sessions on two slots: each came back after another had its slot, and its
         # whole previous prompt came back from disk: the server reused all of it.

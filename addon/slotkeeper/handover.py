@@ -1,7 +1,8 @@
 """The handover room: a slot changes hands. Under the slot's lease it saves the outgoing
 session (when it grew enough to be worth a file), then restores the incoming session's
 snapshot, else its system prompt's seed (restored; seeds are taken after an answer, issue #23:
-firstturns.py), else starts the slot clean; a
+firstturns.py) or its parent's prefix (a young parent saved from its idle slot first), else
+starts the slot clean; a
 request that only passes through someone's slot displaces its owner (saved, marked stale).
 Blocking: worker threads."""
 
@@ -27,7 +28,8 @@ PREFIXED = "prefixed"  # inside the handover only: restored from the parent's sn
 class Handover:
     """Owns: what a slot holds when it changes hands (save out, restore/seed in, erase).
     Does not touch: which slot or server (the walk and the pool decided), leases (the
-    caller holds the slot's), what happens after the answer."""
+    caller holds the slot's; a young parent's slot is only tried, never waited for), what
+    happens after the answer."""
 
     def __init__(self, state: StateFile, locks: SlotLocks, saves: Saves,
                  snapshots: Snapshots | None, erase_on_handover: bool) -> None:
@@ -54,7 +56,8 @@ class Handover:
             metrics.eviction("session", saved)
             if saved:
                 notes.append(f"saved {previous.owner}")
-        action, restored = self._restore(url, info, ident, slot, notes)
+        in_slot = previous.owner if previous is not None and not previous.stale else None
+        action, restored = self._restore(url, info, ident, slot, in_slot, notes)
         if not restored and self.erase_on_handover:
             try:
                 with metrics.timed("erase"):
@@ -72,12 +75,10 @@ class Handover:
                      lease=lease, restored_tokens=restored, prefix_from=prefix_from)
 
     def _restore(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
-                 notes: list[str]) -> tuple[str, int]:
-        """The session's own snapshot; else its parent's snapshot and its system prompt's
-        seed, the parent first for a content fork (it shares the opening: more than the
-        seed) and last for a header session's parent (only the system block: the seed holds
-        that and nothing else); else the parent's KV saved now from its slot: (action,
-        tokens)."""
+                 in_slot: str | None, notes: list[str]) -> tuple[str, int]:
+        """The session's own snapshot; else, for a content fork, its parent's snapshot (it
+        shares the opening: more than a seed); else its system prompt's seed; else, for a
+        header session, its parent's prefix (`_from_parent`). (action, tokens)."""
         snapshots, props = self.snapshots, info.props
         if snapshots is None or props is None:
             return ASSIGNED, 0
@@ -94,14 +95,24 @@ class Handover:
                                          ident.message_count, notes, what="seed")
             if restored:
                 return SEEDED, restored
-        restored = 0 if fork else self._restore_prefix(info, ident, slot, notes)
-        if restored:
-            return PREFIXED, restored
-        if self._save_resident_parent(url, info, ident, notes):
+        return (ASSIGNED, 0) if fork else self._from_parent(url, info, ident, slot, in_slot,
+                                                            notes)
+
+    def _from_parent(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
+                     in_slot: str | None, notes: list[str]) -> tuple[str, int]:
+        """A header session's parent shares the system block with it (the seed, tried
+        first, holds just that): its KV left in place when the slot held it (`in_slot`: the
+        owner the slot had), else its snapshot, else its KV saved now from its own slot."""
+        prefix = ident.prefix
+        if prefix is None:
+            return ASSIGNED, 0
+        if prefix.session == in_slot and not self.erase_on_handover:
+            notes.append(f"{in_slot}'s KV left in the slot as its prefix")
+            return ASSIGNED, 0
+        restored = self._restore_prefix(info, ident, slot, notes)
+        if not restored and self._save_resident_parent(url, info, ident, notes):
             restored = self._restore_prefix(info, ident, slot, notes)
-            if restored:
-                return PREFIXED, restored
-        return ASSIGNED, 0
+        return (PREFIXED, restored) if restored else (ASSIGNED, 0)
 
     def _save_resident_parent(self, url: str, info: UpstreamInfo, ident: Identity,
                               notes: list[str]) -> bool:
@@ -119,7 +130,9 @@ class Handover:
         rec = up.slots[slot]
         seen = info.last_seen.get(prefix.session)
         tokens = max(rec.tokens, seen.tokens if seen is not None else 0)
-        if rec.saved_tokens >= tokens or not policy.prefix_restore_tokens(
+        meta = self.snapshots.folder.read_meta(prefix.session) if self.snapshots else None
+        on_disk = max(rec.saved_tokens, meta.n_tokens if meta is not None else 0)
+        if on_disk >= tokens or not policy.prefix_restore_tokens(
                 prefix, snapshot_tokens=tokens,
                 snapshot_messages=info.messages_of(prefix.session, rec.messages)):
             return False
