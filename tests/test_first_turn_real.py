@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -171,6 +172,44 @@ def test_a_first_turn_gets_its_headers_at_once_and_the_seed_comes_afterwards(
     print("\n".join(line for line in log.splitlines() if "seed" in line or "first-b" in line))
     assert re.search(r"took seed seed~\w+ from first-b's slot", log), log[-3000:]
     assert re.search(r"saved first-a from slot \d to start from its prefix", log), log[-3000:]
+    assert "Traceback" not in log
+
+
+def test_a_second_conversation_never_waits_for_its_busy_parent(make_llama, make_proxy,
+                                                               tmp_path):
+    """The second conversation's start from the first's prefix saves the first from its
+    slot only when that slot is idle: with the first generating, the second starts at once
+    and cold (as llama-server alone on a free slot), and the first is not disturbed."""
+    slots = tmp_path / "slots"
+    server = make_llama(np=2, ctx=2 * 4096, slot_save_path=slots)
+    proxy = make_proxy(server, slotkeeper_slot_dir=str(slots), slotkeeper_idle_save_seconds=0)
+    first = Conversation("busy-a", SYSTEM)
+    first.ask(proxy.url, "Conversation a: a fixture?")
+    messages = [{"role": "system", "content": SYSTEM}, *first.messages,
+                {"role": "user", "content": "Count from one to fifty in words."}]
+    outcome: dict = {}
+
+    def long_turn() -> None:
+        outcome["a"] = stream_headers_at(proxy.url, first.session, messages, max_tokens=96)
+
+    runner = threading.Thread(target=long_turn)
+    runner.start()
+    deadline = time.monotonic() + 60
+    while not any(s.get("is_processing") for s in requests.get(
+            server.url + "/slots", timeout=30).json()):
+        assert time.monotonic() < deadline, "a's turn never started"
+        time.sleep(0.05)
+    headers_s, headers, timings, _text = stream_headers_at(
+        proxy.url, "busy-b", [{"role": "system", "content": SYSTEM},
+                              {"role": "user", "content": "Conversation b: a mock?"}])
+    runner.join(120)
+    a_headers_s, a_headers, a_timings, _ = outcome["a"]
+    assert a_headers["X-Slotkeeper-Action"] == "kept", a_headers
+    assert a_timings["cache_n"] >= first.turns[-1].prompt_tokens - 1, a_timings
+    assert headers["X-Slotkeeper-Action"] == "assigned", headers
+    assert headers_s < 1.5, headers_s
+    log = proxy.log_text()
+    assert "to start from its prefix" not in log, log[-3000:]
     assert "Traceback" not in log
 
 
