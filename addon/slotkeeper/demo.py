@@ -207,7 +207,8 @@ def run(sessions: int, turns: int, out: Any) -> dict[str, int]:
                   f"proxy's own), {totals['direct']:,} direct.", file=out)
             print("assigned: a free slot; kept: still in its slot; seeded: started from the "
                   "saved system prompt; restored: its KV came back from disk after another "
-                  "session had the slot.", file=out)
+                  "session had the slot (on a first turn: another session's, with the same "
+                  "system prompt).", file=out)
             return totals
         finally:
             for proc in reversed(processes):
