@@ -3,7 +3,8 @@
 `FakeFaultyLlama` listens on its own port and forwards every request to a REAL llama-server, so
 completions are real answers, except the endpoints it is told to break: `GET /slots` answering
 500 or answering only after a delay, for example. Responses are read whole and sent with a
-Content-Length (no streaming), which is all the fault tests need. It runs in a thread of the
+Content-Length (no streaming), which is all the fault tests need, or, with `stall_end`, as
+one HTTP chunk whose chunked terminator comes that many seconds late. It runs in a thread of the
 test process; slotkeeper (a real mitmdump) is pointed at it as its upstream.
 
 Nothing here is used by a test without saying so: every test that uses it has "fake" in its
@@ -29,6 +30,7 @@ class Fault:
     count: int | None = None
     hits: int = 0
     query: str | None = None  # only requests whose query string contains this (action=save)
+    stall_end: float = 0.0  # the real answer, chunked, its end of message this much later
 
 
 @dataclass
@@ -83,7 +85,10 @@ class FakeFaultyLlama:
                     out = {k: v for k, v in answer.getheaders()
                            if k.lower() not in ("connection", "content-length",
                                                 "transfer-encoding", "keep-alive")}
-                    self._reply(answer.status, out, data)
+                    if fault is not None and fault.stall_end:
+                        self._reply_late_end(answer.status, out, data, fault.stall_end)
+                    else:
+                        self._reply(answer.status, out, data)
                 except OSError:
                     # The real server is down: what a dead upstream looks like to a client.
                     self.close_connection = True
@@ -97,6 +102,21 @@ class FakeFaultyLlama:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _reply_late_end(self, status: int, headers: dict[str, str], data: bytes,
+                                wait: float) -> None:
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+                time.sleep(wait)
+                try:
+                    self.wfile.write(b"0\r\n\r\n")
+                except OSError:
+                    self.close_connection = True  # the proxy went first
 
             do_GET = do_POST = do_DELETE = do_PUT = _handle
 

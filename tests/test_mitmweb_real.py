@@ -21,6 +21,7 @@ from mitmproxy.utils.emoji import emoji
 from slotkeeper import contentview
 from slotkeeper.flows import MARKERS
 from slotkeeper.conf import load_conf
+from fake_upstream import FakeFaultyLlama, Fault
 from testbed import (MITMDUMP, REPO, LlamaServer, Proxy, chat, free_port, long_system_prompt,
                      port_open)
 
@@ -140,9 +141,9 @@ def test_mitmweb_shows_the_routing(llama, make_web):
         assert two["comment"] in view["text"]
     assert '"content": "and again"' in web.api(
         f"/flows/{two['id']}/request/content/auto.json")["text"]
-    # A streamed answer stays in the flow: the view shows the text the client got. mitmproxy
-    # stores a streamed body and runs the response hook after the stream ends, which can be a
-    # moment after the client read its last event (seen once in a full run): wait for it.
+    # A streamed answer stays in the flow: the view shows the text the client got. The body is
+    # there once the stream ended (mitmproxy's copy) or the client left after [DONE] (ours,
+    # test below), either a moment after the client read its last event: wait for it.
     deadline = time.monotonic() + 15
     view = web.api(f"/flows/{three['id']}/response/content/auto.json")
     while view["view_name"] != "slotkeeper" and time.monotonic() < deadline:
@@ -157,6 +158,39 @@ def test_mitmweb_shows_the_routing(llama, make_web):
     view = web.api(f"/flows/{api_flow['id']}/response/content/auto.json")
     assert view["view_name"] == "JSON"
     assert "slotkeeper" in web.api("/state")["contentViews"]
+
+
+def test_fake_late_stream_end_the_answer_stays_in_the_flow(llama, make_web):
+    """The client leaves at `data: [DONE]` while the server's end of the message is still on its
+    way: the flow ends as "client disconnected", and still shows the answer the client got (it
+    showed "Content is missing." once in CI). A FAKE upstream holds the chunked terminator of
+    the real server's answer back for 5 s, so the client always goes first."""
+    fake = FakeFaultyLlama(llama.url, faults={
+        "POST /v1/chat/completions": Fault(stall_end=5.0)}).start()
+    try:
+        web = make_web(fake.url, slotkeeper_small_request_chars=0,
+                       store_streamed_bodies=conf_streamed_bodies())
+        streamed = chat(web.url, [{"role": "user", "content": "Count from one to ten."}],
+                        {"X-Session-Id": "late-end"}, n_predict=16, stream=True)
+        assert streamed["content"] and streamed["timings"]
+        # The error hooks run after mitmproxy marked the flow: the body is there a moment later.
+        deadline = time.monotonic() + 30
+        while True:
+            flow = next(f for f in web.api("/flows")
+                        if f["request"]["path"] == "/v1/chat/completions")
+            view = web.api(f"/flows/{flow['id']}/response/content/auto.json")
+            if view["view_name"] == "slotkeeper" or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert "client disconnected" in flow["error"]["msg"].lower(), flow
+        assert fake.faults["POST /v1/chat/completions"].hits == 1
+        assert view["view_name"] == "slotkeeper", view
+        assert f"  text: {json.dumps(streamed['content'])}" in view["text"]
+        raw = web.api(f"/flows/{flow['id']}/response/content.data").decode()
+        assert raw.count("data: {") == len(streamed["events"])
+        assert "data: [DONE]" in raw
+    finally:
+        fake.stop()
 
 
 def test_mitmweb_keeps_columns_the_user_chose(make_web):

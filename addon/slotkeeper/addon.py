@@ -29,6 +29,7 @@ from .messages import AnthropicMessages
 from .models import model_of_body, unload_targets
 from .ollama_surface import OllamaSurface
 from .router import Router
+from .streamed import StreamedBodies
 from .routes import CLIENT, KEPT, NoUpstream, Route
 from .translation import translation_of
 from .upstream import check_access, reverse_targets
@@ -371,7 +372,8 @@ def make_addons() -> list:
     api, metrics_endpoint = SessionApi(keeper), metrics.MetricsEndpoint(keeper)
     # The browser guard first (it refuses before anyone answers). A request then goes through
     # the front door to the surfaces that rewrite it into llama-server's own API
-    # (translation.py), the keeper, and the addons that answer their own paths.
+    # (translation.py), the keeper, and the addons that answer their own paths. The copy of
+    # streamed answers comes after every addon that sets a response's stream.
     front = Front([ollama, messages, keeper, api, metrics_endpoint])
     return [BrowserGuard(), front, ollama, messages, keeper, BodyLimit(), api, metrics_endpoint,
-            MitmwebView()]
+            StreamedBodies(), MitmwebView()]
