@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from mitmproxy import http
 from mitmproxy.addons import proxyserver
 from mitmproxy.test import taddons, tflow
@@ -30,10 +33,16 @@ def streaming_flow() -> http.HTTPFlow:
     return flow
 
 
-def test_a_client_that_left_gets_the_copy_on_its_flow():
+@contextmanager
+def streamed_bodies(store: bool) -> Iterator[StreamedBodies]:
     bodies = StreamedBodies()
     with taddons.context(proxyserver.Proxyserver(), bodies) as tctx:
-        tctx.configure(bodies, store_streamed_bodies=True)
+        tctx.configure(bodies, store_streamed_bodies=store)
+        yield bodies
+
+
+def test_a_client_that_left_gets_the_copy_on_its_flow():
+    with streamed_bodies(store=True) as bodies:
         flow = streaming_flow()
         bodies.responseheaders(flow)
         flow.response.data.content = None  # what mitmproxy leaves before the stream's end
@@ -44,9 +53,7 @@ def test_a_client_that_left_gets_the_copy_on_its_flow():
 
 
 def test_a_finished_stream_keeps_mitmproxys_body():
-    bodies = StreamedBodies()
-    with taddons.context(proxyserver.Proxyserver(), bodies) as tctx:
-        tctx.configure(bodies, store_streamed_bodies=True)
+    with streamed_bodies(store=True) as bodies:
         flow = streaming_flow()
         bodies.responseheaders(flow)
         flow.response.stream(b"data: x\n\n")
@@ -60,9 +67,7 @@ def test_a_finished_stream_keeps_mitmproxys_body():
 
 
 def test_nothing_is_copied_when_streamed_bodies_are_not_stored():
-    bodies = StreamedBodies()
-    with taddons.context(proxyserver.Proxyserver(), bodies) as tctx:
-        tctx.configure(bodies, store_streamed_bodies=False)
+    with streamed_bodies(store=False) as bodies:
         flow = streaming_flow()
         stream = flow.response.stream
         bodies.responseheaders(flow)
