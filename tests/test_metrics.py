@@ -7,7 +7,7 @@ import importlib
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from slotkeeper import metrics
+from slotkeeper import metrics, scrape
 from slotkeeper.bodies import Timings
 
 
@@ -95,9 +95,9 @@ def test_fresh_addons_count_into_the_same_registry():
     before = sample("slotkeeper_requests_total", endpoint="/v1/test-reload", action="kept")
     addons = make_addons()
     keeper = next(a for a in addons if isinstance(a, SlotKeeper))
-    endpoint = next(a for a in addons if isinstance(a, metrics.MetricsEndpoint))
+    endpoint = next(a for a in addons if isinstance(a, scrape.MetricsEndpoint))
     endpoint.load(None)
-    assert metrics._BOUND["keeper"] is keeper
+    assert all(metrics.collector(name, make).keeper is keeper for name, make in scrape.GAUGES)
     assert sample("slotkeeper_requests_total", endpoint="/v1/test-reload", action="kept") == before
     metrics.request("/v1/test-reload", "kept")
     assert sample("slotkeeper_requests_total", endpoint="/v1/test-reload",

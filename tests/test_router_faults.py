@@ -23,7 +23,8 @@ from slotkeeper.flows import upstream_of
 from slotkeeper.identity import Identity, identify
 from slotkeeper.locks import SlotLocks
 from slotkeeper.router import Router
-from slotkeeper.routes import KEPT, MAX_REMEMBERED_SESSIONS, Recent, Route, RouterConfig
+from slotkeeper.memories import MAX_REMEMBERED_SESSIONS, Recent
+from slotkeeper.routes import KEPT, Route, RouterConfig
 from slotkeeper.seeds import seed_id
 from slotkeeper.slotfiles import SlotFolder, read_state_header
 from slotkeeper.state import StateFile
@@ -358,7 +359,7 @@ def test_fault6_an_option_change_keeps_the_routers_knowledge(tmp_path):
         info = first.upstreams.get("http://u:1")
         info.props = ServerProps(total_slots=2, n_ctx=4096, model_path="m", build_info="b",
                                  raw={})
-        from slotkeeper.routes import Seen
+        from slotkeeper.memories import Seen
         info.last_seen["s"] = Seen(1.0, 900, 3)
         tctx.configure(keeper, slotkeeper_ttl=60)
         assert keeper.router is not first and keeper.router.config.ttl == 60
@@ -372,7 +373,7 @@ def test_fault6_an_option_change_keeps_the_routers_knowledge(tmp_path):
 def test_fault7_per_session_memories_are_bounded(tmp_path):
     router = make_router(tmp_path)
     info = router.upstreams.get("http://u:1")
-    from slotkeeper.routes import Seen
+    from slotkeeper.memories import Seen
     for k in range(MAX_REMEMBERED_SESSIONS + 500):
         info.last_seen[f"s{k}"] = Seen(float(k), k, 1)
         info.usage_written[f"s{k}"] = float(k)

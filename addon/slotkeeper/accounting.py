@@ -12,8 +12,9 @@ from collections.abc import Callable
 from . import metrics, policy
 from .bodies import Timings
 from .locks import SlotLocks
+from .memories import Seen
 from .routes import (CLIENT, FALLBACK, KEPT, OWNING, RESTORED, SEEDED, UNPINNED, Route,
-                     RouterConfig, Seen, resident_slot)
+                     RouterConfig, resident_slot)
 from .saves import Saves
 from .snapshots import Snapshots, seed_id
 from .state import StateDoc, StateFile

@@ -14,7 +14,7 @@ from typing import Any
 
 from mitmproxy import ctx, http
 
-from . import bodies, cors, metrics, placement, settings
+from . import bodies, cors, metrics, placement, scrape, settings
 from .api import SessionApi
 from .choice import SlotOutOfRange
 from .bodies import SseTimingsWatcher, Timings
@@ -369,7 +369,7 @@ def make_addons() -> list:
     """Fresh addon objects: the entry script calls this each time mitmproxy (re)loads it."""
     keeper = SlotKeeper()
     ollama, messages = OllamaSurface(keeper), AnthropicMessages(keeper)
-    api, metrics_endpoint = SessionApi(keeper), metrics.MetricsEndpoint(keeper)
+    api, metrics_endpoint = SessionApi(keeper), scrape.MetricsEndpoint(keeper)
     # The browser guard first (it refuses before anyone answers). A request then goes through
     # the front door to the surfaces that rewrite it into llama-server's own API
     # (translation.py), the keeper, and the addons that answer their own paths. The copy of

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .bodies import route_of
+from .replies import anthropic_error
 
 MESSAGES_ROUTE = "/v1/messages"
 CHAT_ROUTE = "/v1/chat/completions"
@@ -43,22 +44,6 @@ DEFAULT_THINKING_BUDGET = 10000
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
 
 # llama-server's error types (format_error_response) -> Anthropic's error types.
-ERROR_TYPES = {
-    "invalid_request_error": "invalid_request_error",
-    "exceed_context_size_error": "invalid_request_error",
-    "not_supported_error": "invalid_request_error",
-    "authentication_error": "authentication_error",
-    "permission_error": "permission_error",
-    "not_found_error": "not_found_error",
-    "unavailable_error": "overloaded_error",
-    "server_error": "api_error",
-}
-ERROR_TYPES_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error",
-                         403: "permission_error", 404: "not_found_error",
-                         413: "request_too_large", 429: "rate_limit_error",
-                         503: "overloaded_error", 529: "overloaded_error"}
-
-
 class NotTranslatable(ValueError):
     """The request is not one llama-server's converter accepts (llama-server would answer it
     400 in its own shape): answered 400 invalid_request_error."""
@@ -384,25 +369,8 @@ def error_from_chat(status: int, raw: bytes) -> dict[str, Any]:
         parsed = None
     inner = parsed.get("error") if isinstance(parsed, dict) else None
     if isinstance(inner, dict):
-        return {"type": "error", "error": _anthropic_error(status, inner)}
+        return {"type": "error", "error": anthropic_error(status, inner)}
     if isinstance(inner, str):
-        return {"type": "error", "error": _anthropic_error(status, {"message": inner})}
+        return {"type": "error", "error": anthropic_error(status, {"message": inner})}
     text = raw.decode("utf-8", "replace").strip() or f"HTTP {status}"
-    return {"type": "error", "error": _anthropic_error(status, {"message": text[:2000]})}
-
-
-def error_object(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error body for an error slotkeeper answers itself."""
-    return {"type": "error", "error": _anthropic_error(status, {"message": message})}
-
-
-def _anthropic_error(status: int, inner: dict[str, Any]) -> dict[str, Any]:
-    kind = ERROR_TYPES.get(jstr(inner, "type")) or ERROR_TYPES_BY_STATUS.get(status) or (
-        "invalid_request_error" if 400 <= status < 500 else "api_error")
-    out: dict[str, Any] = {"type": kind, "message": jstr(inner, "message") or f"HTTP {status}"}
-    for key, value in inner.items():
-        if key not in ("type", "message", "code") and isinstance(key, str):
-            out[key] = value
-    return out
-
-
+    return {"type": "error", "error": anthropic_error(status, {"message": text[:2000]})}

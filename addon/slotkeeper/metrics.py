@@ -1,5 +1,6 @@
-"""Prometheus metrics: counted where things happen (router.py, addon.py call the one-line
-functions below) and served as `GET /metrics` by the proxy itself.
+"""Prometheus metrics: counted where things happen (the rooms and the hooks call the one-line
+functions below); served as `GET /metrics` by manage/scrape.py, which adds the gauges read at
+scrape time.
 
 The registry and every metric live in this module's globals. mitmproxy's script reload
 re-runs only the entry script (addon/slotkeeper_addon.py); this module stays in sys.modules,
@@ -11,32 +12,17 @@ bad value: metrics must not break routing."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import logging
-import re
 import threading
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
-from prometheus_client import (CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram,
-                               ProcessCollector, generate_latest)
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 
-from .models import split_key
-from .bodies import route_of
+from .bodies import Timings, route_of
 
-if TYPE_CHECKING:
-    from mitmproxy import http
-
-    from .bodies import Timings
-    from .routes import Route
-
-log = logging.getLogger("slotkeeper.metrics")
-
-PATH = "/metrics"
 # Prefill speed: an exponential moving average of prompt_ms / prompt_n over responses that
 # prefilled at least this many tokens (a handful of tokens is dominated by per-request
 # overhead, not by the prefill itself).
@@ -62,8 +48,6 @@ _LOCK: threading.Lock = _kept("_LOCK", threading.Lock)
 # upstream -> seconds per prefilled token (EMA); upstream -> reused tokens not yet credited
 _SPEED: dict[str, float] = _kept("_SPEED", dict)
 _PENDING: dict[str, int] = _kept("_PENDING", dict)
-# The SlotKeeper whose router the scrape-time gauges read (the latest one loaded).
-_BOUND: dict[str, Any] = _kept("_BOUND", dict)
 
 
 def _metric(kind: type, name: str, doc: str, labels: tuple[str, ...] = (), **kwargs: Any):
@@ -150,7 +134,16 @@ def request(path: str, action: str) -> None:
     _child(REQUESTS, endpoint_of(path), action).inc()
 
 
-def routed(path: str, route: Route) -> None:
+class Routed(Protocol):
+    """What `routed` reads of a request's route (routing/routes.py `Route`)."""
+
+    upstream: str
+    action: str
+    placement: str
+    ms: float
+
+
+def routed(path: str, route: Routed) -> None:
     _child(REQUESTS, endpoint_of(path), route.action).inc()
     if route.placement:
         placed(route.upstream, route.placement)
@@ -256,168 +249,29 @@ def prefill_seconds_per_token(upstream: str) -> float | None:
         return _SPEED.get(upstream)
 
 
-# ---- scrape-time gauges ------------------------------------------------------------------
-
-class _LiveCollector:
-    """Gauges read when scraped: slots per upstream from the state file, files and bytes in
-    the slot folder, the current prefill speed estimate."""
-
-    def describe(self):
-        return []  # no fixed description: collected fresh on each scrape
-
-    def collect(self):
-        keeper = _BOUND.get("keeper")
-        router = keeper.router if keeper is not None else None
-        owned = GaugeMetricFamily("slotkeeper_slots_owned",
-                                  "Slots claimed by a session, per upstream.", labels=["upstream"])
-        resident = GaugeMetricFamily("slotkeeper_slots_resident",
-                                     "Claimed slots whose KV is the owner's (not stale), per "
-                                     "upstream.", labels=["upstream"])
-        total = GaugeMetricFamily("slotkeeper_slots_total",
-                                  "Slots the upstream reports (/props total_slots).",
-                                  labels=["upstream"])
-        speed = GaugeMetricFamily("slotkeeper_prefill_seconds_per_token",
-                                  "Measured prefill seconds per token (moving average), per "
-                                  "upstream.", labels=["upstream"])
-        files = GaugeMetricFamily("slotkeeper_disk_files",
-                                  "slotkeeper's files in the slot folder (state files, "
-                                  "metadata, temp files).")
-        size = GaugeMetricFamily("slotkeeper_disk_bytes",
-                                 "Bytes of slotkeeper's files in the slot folder.")
-        member_up = GaugeMetricFamily("slotkeeper_upstream_up",
-                                      "Pool: 1 while the server answers /health and takes "
-                                      "requests, 0 while it is out.", labels=["upstream"])
-        draining = GaugeMetricFamily("slotkeeper_upstream_draining",
-                                     "Pool: 1 while the server is drained (its sessions moved "
-                                     "out, no new ones).", labels=["upstream"])
-        session_server = GaugeMetricFamily(
-            "slotkeeper_session_upstream",
-            "Pool: 1 for the server that holds each session's claim (one per slot at most, "
-            "so bounded by the pool's slot count); resident says whether its KV is there.",
-            labels=["session", "upstream", "resident"])
-        if router is not None:
-            try:
-                doc = router.state.read()
-            except Exception as e:  # a scrape must answer even with a broken state file
-                log.warning("metrics: cannot read the state file: %s", e)
-                doc = None
-            urls = {url for url, _ in router.upstreams.known()}
-            urls |= set(doc.upstreams) if doc is not None else set()
-            for url in sorted(urls):
-                up = doc.upstreams.get(url) if doc is not None else None
-                recs = list(up.slots.values()) if up is not None else []
-                owned.add_metric([url], len(recs))
-                resident.add_metric([url], sum(1 for r in recs if not r.stale))
-            for url, info in router.upstreams.known():
-                if info.props is not None:
-                    total.add_metric([url], info.props.total_slots)
-            for url in router.config.upstreams:
-                up = doc.upstreams.get(url) if doc is not None else None
-                member_up.add_metric([url], 1 if router.upstreams.get(url).healthy else 0)
-                draining.add_metric([url], 1 if up is not None and up.draining else 0)
-                for rec in up.slots.values() if up is not None else ():
-                    session_server.add_metric([rec.owner, url, str(not rec.stale).lower()], 1)
-            if router.folder is not None:
-                count, nbytes = router.folder.usage()
-                files.add_metric([], count)
-                size.add_metric([], nbytes)
-        with _LOCK:
-            for url, value in sorted(_SPEED.items()):
-                speed.add_metric([url], value)
-        return [owned, resident, total, speed, files, size, member_up, draining, session_server]
+def prefill_speeds() -> dict[str, float]:
+    """Every upstream's measured prefill seconds per token."""
+    with _LOCK:
+        return dict(_SPEED)
 
 
-class _SessionModels:
-    """Behind a router or llama-swap (issue #22), the model each claimed session is on."""
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        keeper = _BOUND.get("keeper")
-        return [session_models(keeper.router if keeper is not None else None)]
+C = TypeVar("C")
 
 
-def session_models(router: Any) -> GaugeMetricFamily:
-    try:
-        doc = router.state.read() if router is not None else None
-    except Exception:  # a scrape must answer even with a broken state file (logged above)
-        doc = None
-    family = GaugeMetricFamily(
-        "slotkeeper_session_model",
-        "Router or llama-swap (issue #22): 1 for the model each session's claim is on; "
-        "resident says whether its KV is loaded there.", labels=["session", "model", "resident"])
-    for url, up in doc.upstreams.items() if doc is not None else ():
-        model = split_key(url)[1]
-        for rec in up.slots.values() if model else ():
-            family.add_metric([rec.owner, model, str(not rec.stale).lower()], 1)
-    return family
-
-
-if "session_models" not in _METRICS:
-    _METRICS["session_models"] = _SessionModels()
-    REGISTRY.register(_METRICS["session_models"])
-if "live" not in _METRICS:
-    _METRICS["live"] = _LiveCollector()
-    REGISTRY.register(_METRICS["live"])
-    ProcessCollector(registry=REGISTRY)  # process_cpu_seconds_total, resident memory, fds
-
-
-def bind(keeper: Any) -> None:
-    _BOUND["keeper"] = keeper
+def collector(name: str, make: Callable[[], C]) -> C:
+    """The scrape-time collector registered as `name`, made and registered on first use: kept
+    across reloads like every metric here, so it is never registered twice."""
+    with _LOCK:
+        existing = _METRICS.get(name)
+        if existing is None:
+            existing = _METRICS[name] = make()
+            REGISTRY.register(existing)
+        return existing
 
 
 def render() -> bytes:
     return generate_latest(REGISTRY)
 
 
-# ---- the endpoint ----------------------------------------------------------------------------
-
-_METRICS_PATH = re.compile(r"^/metrics/?$")
-
-
-class MetricsEndpoint:
-    """Answers `GET /metrics` on the proxy itself (like /api/sessions), so it works while
-    llama-server is down. It shadows llama-server's own /metrics (`--metrics`): scrape the
-    server directly for those."""
-
-    def __init__(self, keeper: Any) -> None:
-        self.keeper = keeper
-
-    def load(self, loader) -> None:
-        bind(self.keeper)
-
-    def on_request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
-        """Answers /metrics; any other request passes on without a coroutine being made for it
-        (every request comes here, from front.Front)."""
-        if flow.response is not None or not _METRICS_PATH.match(
-                flow.request.path.split("?", 1)[0]):
-            return None
-        return self._answer(flow)
-
-    async def _answer(self, flow: http.HTTPFlow) -> None:
-        from mitmproxy import http
-
-        from .access import management_access
-
-        flow.marked = ":information_source:"  # ℹ: drawn by text fonts, unlike emoji
-        flow.comment = "slotkeeper metrics"
-        denied = management_access(flow, self.keeper.api_token)
-        if denied is not None:
-            flow.response = denied
-            return
-        if flow.request.method not in ("GET", "HEAD"):
-            flow.response = http.Response.make(405, b"GET /metrics\n",
-                                               {"Content-Type": "text/plain", "Allow": "GET"})
-            return
-        try:
-            # Reading the state file and listing the slot folder is blocking I/O.
-            body = await asyncio.get_running_loop().run_in_executor(None, render)
-        except Exception as e:
-            log.exception("rendering metrics failed")
-            flow.response = http.Response.make(500, f"{type(e).__name__}: {e}\n".encode(),
-                                               {"Content-Type": "text/plain"})
-            return
-        # Text format 0.0.4: what every Prometheus 2.x and 3.x scraper reads (our names are
-        # classic ones, so the newer 1.0.0 format would add nothing).
-        flow.response = http.Response.make(200, body, {"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
+if "process" not in _METRICS:
+    _METRICS["process"] = ProcessCollector(registry=REGISTRY)  # CPU seconds, memory, fds

@@ -1,13 +1,12 @@
 """What every room of the router shares: how a request was routed (the outcome names), the
 Route it gets (with the one release that ends its lifecycle), the router's configuration, and
-the bounded per-session memories. No I/O and no decisions here."""
+the running counts. No I/O and no decisions here."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 from .locks import SlotLease
 from .placement import COST, Weights
@@ -25,27 +24,7 @@ FALLBACK = "fallback"  # /slots unusable: a stable hash of the session over the 
 UNPINNED = "unpinned"  # no slot count known: forwarded as it came
 OWNING = frozenset({KEPT, ASSIGNED, RESTORED, SEEDED})
 
-# Per-session memories of this process are bounded: the oldest are forgotten first. A
-# forgotten session loses only exactness (the state file and metas still hold what matters).
-MAX_REMEMBERED_SESSIONS = 4096
-
 K = TypeVar("K")
-V = TypeVar("V")
-
-
-class Recent(OrderedDict, Generic[K, V]):
-    """A dict that keeps only the `limit` most recently written keys."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def __setitem__(self, key, value) -> None:
-        super().__setitem__(key, value)
-        self.move_to_end(key)
-        while len(self) > self.limit:
-            self.popitem(last=False)
-
 
 @dataclass
 class RouterConfig:
@@ -118,15 +97,6 @@ class Route:
         callbacks, self._on_release = self._on_release, []
         for callback in callbacks:
             callback()
-
-
-@dataclass(frozen=True)
-class Seen:
-    """A session's last request that ended in this process."""
-
-    at: float
-    tokens: int  # in its slot afterwards
-    messages: int
 
 
 class NoUpstream(Exception):

@@ -14,7 +14,8 @@ from dataclasses import replace
 from . import policy
 from .identity import Identity
 from .policy import Conversation
-from .routes import MAX_REMEMBERED_SESSIONS, Recent, count_down
+from .memories import MAX_REMEMBERED_SESSIONS, Recent
+from .routes import count_down
 from .state import SlotRecord, StateFile
 
 MAX_FORKS_PER_OPENING = 16

@@ -24,7 +24,7 @@ from typing import Any
 
 from .paths import FILE_NAME_RE, META_RE, SAVING_RE, TEMP_RE, file_name_for, inside, require
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("slotkeeper.slotfiles")  # the name log filters know
 
 # llama.cpp writes LLAMA_STATE_SEQ_MAGIC ('ggsq') as a little-endian u32, so the file starts
 # with these bytes.

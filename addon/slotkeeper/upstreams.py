@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import policy
-from .routes import MAX_REMEMBERED_SESSIONS, Recent, Seen
+from .memories import MAX_REMEMBERED_SESSIONS, Recent, Seen
 from .state import StateDoc, StateFile
 from .upstream import ServerProps, SlotsUnavailable, Upstream, UpstreamError
 
