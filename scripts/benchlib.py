@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "bed"))
 
 
 def _use_the_venv() -> None:
@@ -43,7 +43,7 @@ def _use_the_venv() -> None:
 
 _use_the_venv()
 
-from slotkeeper.conf import load_conf, set_args  # noqa: E402
+from slotkeeper.launcher.conf import load_conf, set_args  # noqa: E402
 from testbed import MITMDUMP, LlamaServer, Proxy  # noqa: E402
 
 BENCH_DIR = REPO / "docs" / "bench"

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from fake_llama_swap import FakeLlamaSwap, llama_factory
 from router_testbed import MODEL_NAMES, RouterServer
 from testbed import LlamaServer, Proxy, llama_server_binary, model_file

@@ -14,26 +14,44 @@ from typing import Any
 
 from mitmproxy import ctx, http
 
-from . import bodies, cors, metrics, placement, scrape, settings
-from .api import SessionApi
-from .choice import SlotOutOfRange
-from .bodies import SseTimingsWatcher, Timings
-from .contentview import MitmwebView
-from .guard import BodyLimit, BrowserGuard
-from .flows import (ROUTE_KEY, SUMMARY_KEY, WATCH_KEY, checked_body, describe, error_response,
-                    note_pass_through, point_at, refuse_if_too_deep, set_headers, timings_of,
-                    upstream_of, without_empty_chunks, write_body)
+from . import settings
+from .decisions import placement
+from .decisions.choice import SlotOutOfRange
+from .flows import (
+    ROUTE_KEY,
+    SUMMARY_KEY,
+    WATCH_KEY,
+    checked_body,
+    describe,
+    error_response,
+    note_pass_through,
+    point_at,
+    refuse_if_too_deep,
+    set_headers,
+    timings_of,
+    upstream_of,
+    without_empty_chunks,
+    write_body,
+)
 from .front import Front
-from .identity import Identity, IdentityConfig, identify
-from .messages import AnthropicMessages
-from .models import model_of_body, unload_targets
-from .ollama_surface import OllamaSurface
-from .router import Router
-from .streamed import StreamedBodies
-from .routes import CLIENT, KEPT, NoUpstream, Route
-from .translation import translation_of
-from .upstream import check_access, reverse_targets
+from .guard import cors
+from .guard.browser import BodyLimit, BrowserGuard
+from .identity.identity import Identity, IdentityConfig, identify
+from .manage import scrape
+from .manage.api import SessionApi
+from .observe import metrics
+from .observe.contentview import MitmwebView
+from .observe.streamed import StreamedBodies
+from .routing.router import Router
+from .routing.routes import CLIENT, KEPT, NoUpstream, Route
+from .surfaces.messages import AnthropicMessages
+from .surfaces.ollama_surface import OllamaSurface
+from .upstream.client import check_access, reverse_targets
+from .upstream.models import model_of_body, unload_targets
 from .watch import HealthWatcher, IdleSaves
+from .wire import bodies
+from .wire.bodies import SseTimingsWatcher, Timings
+from .wire.translation import translation_of
 
 log = logging.getLogger("slotkeeper")
 

@@ -9,12 +9,23 @@ from collections.abc import Callable
 
 from mitmproxy import http
 
-from . import bodies, metrics
-from .bodies import BodyError, BodyRefused, SseTimingsWatcher, Timings
-from .contentview import flow_comment
-from .identity import Identity
-from .replies import error_reply as error_response
-from .routes import ASSIGNED, CLIENT, FALLBACK, KEPT, RESTORED, SEEDED, SIDE, UNPINNED, Route
+from .identity.identity import Identity
+from .observe import metrics
+from .observe.contentview import flow_comment
+from .routing.routes import (
+    ASSIGNED,
+    CLIENT,
+    FALLBACK,
+    KEPT,
+    RESTORED,
+    SEEDED,
+    SIDE,
+    UNPINNED,
+    Route,
+)
+from .wire import bodies
+from .wire.bodies import BodyError, BodyRefused, SseTimingsWatcher, Timings
+from .wire.replies import error_reply as error_response
 
 log = logging.getLogger("slotkeeper")
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 from mitmproxy import exceptions
 
-from . import placement
-from .identity import IdentityConfig
-from .locks import SlotLocks
-from .routes import RouterConfig
-from .slotfiles import SlotFolder
-from .state import StateFile
-from .upstream import UPSTREAM_KEY_ENV, UPSTREAM_KEY_OPTION
+from .decisions import placement
+from .identity.identity import IdentityConfig
+from .routing.routes import RouterConfig
+from .snapshots.slotfiles import SlotFolder
+from .store.locks import SlotLocks
+from .store.state import StateFile
+from .upstream.client import UPSTREAM_KEY_ENV, UPSTREAM_KEY_OPTION
 
 log = logging.getLogger("slotkeeper")
 

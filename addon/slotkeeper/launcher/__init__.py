@@ -1,0 +1,2 @@
+"""The slotkeeper command: mitm.conf to mitmdump arguments, the local llama-server it starts,
+the demo and status."""

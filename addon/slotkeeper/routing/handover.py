@@ -1,0 +1,199 @@
+"""The handover room: a slot changes hands. Under the slot's lease it saves the outgoing
+session (when it grew enough to be worth a file), then restores the incoming session's
+snapshot, else its system prompt's seed (restored; seeds are taken after an answer, issue #23:
+firstturns.py) or its parent's prefix (a young parent saved from its idle slot first), else
+starts the slot clean; a
+request that only passes through someone's slot displaces its owner (saved, marked stale).
+Blocking: worker threads."""
+
+from __future__ import annotations
+
+import logging
+
+from ..decisions import policy
+from ..identity.identity import Identity
+from ..observe import metrics
+from ..snapshots.saves import Saves
+from ..snapshots.snapshots import Snapshots, seed_id
+from ..store.locks import SlotLease, SlotLocks
+from ..store.state import SlotRecord, StateFile
+from ..upstream.client import UpstreamError
+from ..upstream.registry import UpstreamInfo
+from .routes import ASSIGNED, RESTORED, SEEDED, Route
+
+log = logging.getLogger("slotkeeper")
+
+PREFIXED = "prefixed"  # inside the handover only: restored from the parent's snapshot
+
+
+class Handover:
+    """Owns: what a slot holds when it changes hands (save out, restore/seed in, erase).
+    Does not touch: which slot or server (the walk and the pool decided), leases (the
+    caller holds the slot's; a young parent's slot is only tried, never waited for), what
+    happens after the answer."""
+
+    def __init__(self, state: StateFile, locks: SlotLocks, saves: Saves,
+                 snapshots: Snapshots | None, erase_on_handover: bool) -> None:
+        self.state = state
+        self.locks = locks
+        self.saves = saves
+        self.snapshots = snapshots
+        self.erase_on_handover = erase_on_handover
+
+    def hand_over(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
+                  lease: SlotLease, previous: SlotRecord | None, live_tokens: int,
+                  path: str, body: dict | None) -> Route:
+        """Under the exclusive slot lock: save the outgoing session, then restore the incoming
+        one's snapshot if it can work, else its system prompt's seed, else start clean."""
+        session = ident.session_id
+        notes: list[str] = []
+        if info.client.slot_actions_disabled:
+            # No --slot-save-path: pinning still works, KV is neither saved nor restored.
+            self.saves.mark_fresh(url, slot, session, 0)
+            return Route(url, session, ident.rule, slot, ASSIGNED, lease=lease,
+                         detail="server has no --slot-save-path")
+        if previous is not None and previous.owner != session and not previous.stale:
+            saved = self.saves.save_if_worth(url, info, slot, previous, live_tokens)
+            metrics.eviction("session", saved)
+            if saved:
+                notes.append(f"saved {previous.owner}")
+        in_slot = previous.owner if previous is not None and not previous.stale else None
+        action, restored = self._restore(url, info, ident, slot, in_slot, notes)
+        if not restored and self.erase_on_handover:
+            try:
+                with metrics.timed("erase"):
+                    info.client.erase(slot)
+            except UpstreamError as e:
+                notes.append(f"erase failed ({e})")
+        if info.client.slot_actions_disabled:
+            log.warning("%s: llama-server answers save/restore/erase with 501: start it with "
+                        "--slot-save-path set to slotkeeper_slot_dir; sessions are pinned but "
+                        "not saved", url)
+        self.saves.mark_fresh(url, slot, session, restored, kept_on_disk=action != PREFIXED)
+        prefix_from = ident.prefix.session if action == PREFIXED and ident.prefix else ""
+        return Route(url, session, ident.rule, slot,
+                     RESTORED if action == PREFIXED else action, detail="; ".join(notes),
+                     lease=lease, restored_tokens=restored, prefix_from=prefix_from)
+
+    def _restore(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
+                 in_slot: str | None, notes: list[str]) -> tuple[str, int]:
+        """The session's own snapshot; else, for a content fork, its parent's snapshot (it
+        shares the opening: more than a seed); else its system prompt's seed; else, for a
+        header session, its parent's prefix (`_from_parent`). (action, tokens)."""
+        snapshots, props = self.snapshots, info.props
+        if snapshots is None or props is None:
+            return ASSIGNED, 0
+        restored = snapshots.restore(info.client, props, slot, ident.session_id,
+                                     ident.message_count, notes)
+        if restored:
+            return RESTORED, restored
+        fork = ident.rule == "content"
+        restored = self._restore_prefix(info, ident, slot, notes) if fork else 0
+        if restored:
+            return PREFIXED, restored
+        if ident.seed_key is not None:
+            restored = snapshots.restore(info.client, props, slot, seed_id(ident.seed_key),
+                                         ident.message_count, notes, what="seed")
+            if restored:
+                return SEEDED, restored
+        return (ASSIGNED, 0) if fork else self._from_parent(url, info, ident, slot, in_slot,
+                                                            notes)
+
+    def _from_parent(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
+                     in_slot: str | None, notes: list[str]) -> tuple[str, int]:
+        """A header session's parent shares the system block with it (the seed, tried
+        first, holds just that): its KV left in place when the slot held it (`in_slot`: the
+        owner the slot had), else its snapshot, else its KV saved now from its own slot."""
+        prefix = ident.prefix
+        if prefix is None:
+            return ASSIGNED, 0
+        if prefix.session == in_slot and not self.erase_on_handover:
+            notes.append(f"{in_slot}'s KV left in the slot as its prefix")
+            return ASSIGNED, 0
+        restored = self._restore_prefix(info, ident, slot, notes)
+        if not restored and self._save_resident_parent(url, info, ident, notes):
+            restored = self._restore_prefix(info, ident, slot, notes)
+        return (PREFIXED, restored) if restored else (ASSIGNED, 0)
+
+    def _save_resident_parent(self, url: str, info: UpstreamInfo, ident: Identity,
+                              notes: list[str]) -> bool:
+        """The parent's KV is on its own slot here and newer than its snapshot (the second
+        conversation of a system prompt, while the first is young): save it now, if the
+        server will reuse it after a restore and the parent's slot is idle (never waited
+        for: it is the parent's). True when the parent's snapshot is current afterwards."""
+        prefix = ident.prefix
+        if prefix is None:
+            return False
+        up = self.state.read().upstreams.get(url)
+        slot = up.slot_of(prefix.session) if up is not None else None
+        if slot is None or up.slots[slot].stale:
+            return False
+        rec = up.slots[slot]
+        seen = info.last_seen.get(prefix.session)
+        tokens = max(rec.tokens, seen.tokens if seen is not None else 0)
+        meta = self.snapshots.folder.read_meta(prefix.session) if self.snapshots else None
+        on_disk = max(rec.saved_tokens, meta.n_tokens if meta is not None else 0)
+        if on_disk >= tokens or not policy.prefix_restore_tokens(
+                prefix, snapshot_tokens=tokens,
+                snapshot_messages=info.messages_of(prefix.session, rec.messages)):
+            return False
+        lease = self.locks.try_acquire(url, slot, exclusive=True)
+        if lease is None:
+            return False
+        with lease:
+            current = self.state.read().upstreams.get(url)
+            rec = current.slots.get(slot) if current is not None else None
+            if rec is None or rec.owner != prefix.session or rec.stale:
+                return False
+            saved = self.saves.save_if_worth(url, info, slot, rec, tokens)
+        if saved:
+            notes.append(f"saved {prefix.session} from slot {slot} to start from its prefix")
+        return saved
+
+    def _restore_prefix(self, info: UpstreamInfo, ident: Identity, slot: int,
+                        notes: list[str]) -> int:
+        """A new conversation (a fork) starts from its parent's snapshot when the server will
+        reuse it (policy.prefix_restore_tokens); the tokens it should reuse, 0 otherwise. The
+        parent's snapshot stays the parent's: a fork's low reuse is never its miss."""
+        prefix, snapshots = ident.prefix, self.snapshots
+        if prefix is None or snapshots is None or info.props is None:
+            return 0
+        meta = snapshots.folder.read_meta(prefix.session)
+        if meta is None:
+            return 0
+        expected = policy.prefix_restore_tokens(prefix, snapshot_tokens=meta.n_tokens,
+                                                snapshot_messages=meta.n_messages)
+        if not expected:
+            notes.append(f"{prefix.session}'s snapshot diverges too early to reuse")
+            return 0
+        restored = snapshots.restore(info.client, info.props, slot, prefix.session,
+                                     meta.n_messages, notes, what=f"{prefix.session}'s prefix")
+        if not restored:
+            return 0
+        notes.append(f"started from {prefix.session}'s prefix (~{expected:,} of "
+                     f"{restored:,} tokens)")
+        return expected
+
+    def start_from_prefix(self, info: UpstreamInfo, ident: Identity, slot: int) -> str:
+        """A one-off on a slot it does not claim (displaced first): its parent's snapshot
+        restored there when the server will reuse it, as llama-server's own cache gives a
+        request the longest prefix it holds. What was done, for the route's detail."""
+        if info.client.slot_actions_disabled:
+            return ""
+        notes: list[str] = []
+        self._restore_prefix(info, ident, slot, notes)
+        return "; ".join(notes)
+
+    def displace(self, url: str, info: UpstreamInfo, slot: int, session: str | None,
+                 live_tokens: int, save: bool = True) -> str:
+        """A request that is not the owner's is about to run on `slot`: save the owner's KV
+        if it is worth it (we hold the slot's lease) and mark its claim stale, so nothing
+        later takes the slot's new content for the owner's. "" when nobody was displaced."""
+        current = self.state.read().upstreams.get(url)
+        rec = current.slots.get(slot) if current else None
+        if rec is None or rec.stale or rec.owner == session:
+            return ""
+        saved = save and self.saves.save_if_worth(url, info, slot, rec, live_tokens)
+        metrics.eviction("side", saved)
+        self.saves.mark_stale(url, slot, rec.owner)
+        return f"{rec.owner} will be restored" if saved else f"displaced {rec.owner}"
