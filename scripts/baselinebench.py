@@ -1,6 +1,6 @@
 """The pure part of scripts/bench-baselines: the targets (llama-server's own settings and
 slotkeeper), the server flags each gets, and the sums and comparisons made of the measured
-rows. No processes, no I/O: tests/test_bench_baselines.py checks it."""
+rows. No processes, no I/O: tests/unit/scripts/test_bench_baselines.py checks it."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 processes, timed requests on loopback, token counts from the server, machine facts, results.
 
 Run the scripts with the venv's python (`.venv/bin/python scripts/bench-agents`): they import
-the installed `slotkeeper` package and the test bed in tests/testbed.py."""
+the installed `slotkeeper` package and the test bed in tests/bed/testbed.py."""
 
 from __future__ import annotations
 

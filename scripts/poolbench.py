@@ -1,5 +1,5 @@
 """The pure part of scripts/bench-pool: the order of requests, and the sums and ratios made of
-the measured rows. No processes, no I/O: tests/test_bench_pool.py checks it."""
+the measured rows. No processes, no I/O: tests/unit/scripts/test_bench_pool.py checks it."""
 
 from __future__ import annotations
 

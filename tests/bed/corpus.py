@@ -1,5 +1,5 @@
-"""The corpus of real client requests under tests/corpus/<client>/: written from a client
-conformance run (SLOTKEEPER_CORPUS_OUT=tests/corpus), read by tests/test_corpus_identity.py.
+"""The corpus of real client requests under tests/bed/corpus/<client>/: written from a client
+conformance run (SLOTKEEPER_CORPUS_OUT=tests/bed/corpus), read by tests/unit/identity/test_corpus_identity.py.
 
 Each file is one request as the client sent it: {"client", "phase", "kind", "method", "path",
 "headers": [[name, value], ...], "body": <the JSON body>}. `phase` is "first" (a new
@@ -11,7 +11,7 @@ ports (replaced by fixed placeholders), so the files are the same on every machi
 Of Claude Code's requests only the first and last of the first turn, the first of the
 continued turn and the first of the new conversation are kept: the others are its "resume
 after the output limit" requests, each the previous one plus ~80 tokens. The Anthropic tests
-read every file in tests/corpus/claude/ too (same method/path/headers/body keys).
+read every file in tests/bed/corpus/claude/ too (same method/path/headers/body keys).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Test-only mitmproxy entry script: slotkeeper's own addons, with a recorder on each side.
 
-`mitmdump -s tests/recording_addon.py --set flow_record_file=PATH` runs slotkeeper exactly as
+`mitmdump -s tests/bed/recording_addon.py --set flow_record_file=PATH` runs slotkeeper exactly as
 `addon/slotkeeper_addon.py` does, and appends one JSON line per finished HTTP flow to PATH:
 the request as the client sent it (headers and body, before slotkeeper pins it), the response
 status and headers (slotkeeper's X-Slotkeeper-* among them) and slotkeeper's routing summary

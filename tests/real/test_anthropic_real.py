@@ -1,7 +1,7 @@
 """Anthropic /v1/messages through slotkeeper against the real llama-server: the translated
 request renders the very prompt the server renders for the original, gives the same answer at
 temperature 0 (whole and streamed, event for event), and Claude-style sessions keep their own
-slots. The corpus holds real Claude Code requests (tests/corpus/claude, see its README)."""
+slots. The corpus holds real Claude Code requests (tests/bed/corpus/claude, see its README)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,20 @@
 """Client conformance: the real coding-agent CLIs from npm (scripts/install-clients), each
-configured only through its own documented settings (tests/agents.py, README "Clients"),
+configured only through its own documented settings (tests/bed/agents.py, README "Clients"),
 through slotkeeper in front of the real llama-server.
 
 One run serves every test here (it is the expensive part: each first turn prefills 0.5-5k
 tokens at ~50-150 tokens/s on 2 cores): all four clients at once start a conversation
 ("first"), continue it ("next": claude -p --continue, codex exec resume --last, pi -p
 --continue, opencode run --continue), then start another one ("new"). A recording addon next
-to slotkeeper (tests/recording_addon.py) keeps every request as the client sent it and
+to slotkeeper (tests/bed/recording_addon.py) keeps every request as the client sent it and
 slotkeeper's decision; llama-server's own log says which slot really ran each task, how the
 slot was chosen, and how many prompt tokens it computed. The tests trust that log.
 
 A request is the client's main conversation when it carries tools (every agent sends its
 tools with each turn); one without tools is a side request (a title, a topic check).
 
-Set SLOTKEEPER_CORPUS_OUT=tests/corpus to (re)write the captured requests, secrets and
-machine paths removed, for tests/test_corpus_identity.py.
+Set SLOTKEEPER_CORPUS_OUT=tests/bed/corpus to (re)write the captured requests, secrets and
+machine paths removed, for tests/unit/identity/test_corpus_identity.py.
 """
 
 from __future__ import annotations

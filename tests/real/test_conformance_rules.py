@@ -1,4 +1,4 @@
-"""The conformance run's rules for a request a client left (tests/test_clients_real.py), on
+"""The conformance run's rules for a request a client left (tests/real/test_clients_real.py), on
 made-up records: which leaving is the client's own habit and which is a symptom."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Faults, with real processes: llama-server killed mid-stream and restarted, /slots disabled,
 save/restore refused, a read-only or full slot folder, corrupt state and slot files, the proxy
 SIGKILLed while it writes the state file or waits for a save, and four proxies sharing one
-server. A FAKE llama-server front (tests/fake_upstream.py) is used only where a real server
+server. A FAKE llama-server front (tests/bed/fake_upstream.py) is used only where a real server
 cannot show the fault on demand (/slots failing with 500, or taking 3 s); those tests say
 "fake" in their names.
 

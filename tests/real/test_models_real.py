@@ -74,7 +74,7 @@ def run_two_models(url: str, seed: int) -> dict[str, Any]:
 
 
 def recorded_flows(path: Path) -> list[dict[str, Any]]:
-    """The flows tests/recording_addon.py wrote, completion requests only, in order."""
+    """The flows tests/bed/recording_addon.py wrote, completion requests only, in order."""
     flows = [json.loads(line) for line in path.read_text().splitlines()]
     return [f for f in flows if f["path"] in ("/v1/chat/completions", "/v1/messages")]
 

@@ -2,7 +2,7 @@
 whatever order it arrives in (issue #19: "side requests are told by what they are, not by
 which arrives first")? Pure: no I/O.
 
-Seen in real clients' requests (tests/corpus, docs/DESIGN.md "Side tasks by what they ask"):
+Seen in real clients' requests (tests/bed/corpus, docs/DESIGN.md "Side tasks by what they ask"):
 OpenCode's title request, sent at the same moment as its conversation's first turn under the
 same `x-session-id`, opens its system prompt with "You are a title generator. You output ONLY
 a thread title."; OpenWebUI's task requests are one user message opening with "### Task:

@@ -6,7 +6,7 @@ like `/v1/chat/completions`, but the converter drops `id_slot` and `cache_prompt
 `/v1/messages` request cannot be pinned. `to_chat_request` is a line-by-line port of that
 converter (same fields, same defaults, same quirks) that keeps `id_slot` and `cache_prompt`;
 since the server's own route is "convert, then the chat path", the translated request renders
-the same prompt (tests/test_anthropic_real.py checks it token for token on real Claude Code
+the same prompt (tests/real/test_anthropic_real.py checks it token for token on real Claude Code
 requests). The answer goes back the way the server's own Anthropic writers
 (`to_json_anthropic`, `to_json_anthropic_stream` in server-task.cpp) write it, streamed event by
 event: see docs/DESIGN.md, "Anthropic /v1/messages".

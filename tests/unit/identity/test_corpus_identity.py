@@ -1,5 +1,5 @@
-"""identity.identify() on real requests of the real clients (tests/corpus/<client>/, captured
-by the client conformance suite: see tests/corpus.py). Fast: no server, no proxy.
+"""identity.identify() on real requests of the real clients (tests/bed/corpus/<client>/, captured
+by the client conformance suite: see tests/bed/corpus.py). Fast: no server, no proxy.
 
 Each client's corpus holds one conversation ("first", then "next": the same conversation
 continued with the client's own --continue/resume) and a second, new conversation ("new").
@@ -109,7 +109,7 @@ def test_corpus_holds_no_secret_or_machine_path(client: str) -> None:
 
 
 def test_readme_documents_the_settings_the_suite_uses(tmp_path: Path) -> None:
-    """README's "Clients" section gives, per client, the settings tests/agents.py writes."""
+    """README's "Clients" section gives, per client, the settings tests/bed/agents.py writes."""
     readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     section = readme.split("## Clients", 1)[1].split("\n## ", 1)[0]
     proxy = "http://127.0.0.1:8000"

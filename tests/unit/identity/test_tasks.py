@@ -1,5 +1,5 @@
 """tasks.asks_for_side_task and identify's side_task on real clients' requests
-(tests/corpus) and on the task prompts other clients send. Fast: no server."""
+(tests/bed/corpus) and on the task prompts other clients send. Fast: no server."""
 
 from __future__ import annotations
 
