@@ -104,7 +104,7 @@ def _declare_storage(loader) -> None:
                       "(the session's KV against each server's load), or the baselines "
                       "round-robin and least-busy.", choices=list(placement.POLICIES))
     loader.add_option("slotkeeper_api_token", str, "",
-                      "Bearer token for the management endpoints (/api/..., /metrics). "
+                      "Bearer token for the management endpoints (/api/..., /slotkeeper/metrics). "
                       "Unset: they answer loopback clients only. Set: they answer every "
                       "client, and every call needs 'Authorization: Bearer <token>'.")
     loader.add_option(UPSTREAM_KEY_OPTION, str, "",

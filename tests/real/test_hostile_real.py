@@ -516,7 +516,7 @@ def test_management_endpoints_answer_loopback_only_unless_a_token_is_set(
     assert requests.get(proxy.url + "/api/sessions/current", timeout=30).status_code == 200
     r = requests.get(remote + "/api/sessions/current", timeout=30)
     assert r.status_code == 403 and "slotkeeper_api_token" in r.json()["error"]["message"]
-    assert requests.get(remote + "/metrics", timeout=30).status_code == 403
+    assert requests.get(remote + "/slotkeeper/metrics", timeout=30).status_code == 403
     assert requests.post(remote + "/api/sessions/clear", json={}, timeout=30).status_code == 403
     assert requests.post(proxy.url + "/api/sessions/clear", json={},
                          timeout=30).status_code == 200
@@ -533,7 +533,7 @@ def test_management_endpoints_answer_loopback_only_unless_a_token_is_set(
     assert requests.get(remote + "/api/sessions/current", timeout=30).status_code == 401
     assert requests.get(remote + "/api/sessions/current", timeout=30,
                         headers={"Authorization": f"Bearer {token}"}).status_code == 200
-    assert requests.get(remote + "/metrics", timeout=30).status_code == 401
+    assert requests.get(remote + "/slotkeeper/metrics", timeout=30).status_code == 401
     for url in (remote, proxy.url):
         r = requests.post(url + "/api/sessions/clear", json={}, timeout=30)
         assert r.status_code == 401 and r.headers["WWW-Authenticate"].startswith("Bearer")

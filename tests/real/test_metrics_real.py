@@ -1,5 +1,5 @@
-"""GET /metrics of a real mitmdump in front of a real llama-server: the counters match what
-the run did, as the client saw it."""
+"""GET /slotkeeper/metrics of a real mitmdump in front of a real llama-server: the counters match
+what the run did, as the client saw it. GET /metrics is llama-server's own, passed through."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ TIMEOUT_S = 600
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of GET /metrics, keyed by (sample name, sorted labels)."""
-    r = requests.get(url + "/metrics", timeout=30)
+    """Every sample of GET /slotkeeper/metrics, keyed by (sample name, sorted labels)."""
+    r = requests.get(url + "/slotkeeper/metrics", timeout=30)
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     out = {}
@@ -156,7 +156,7 @@ def test_counters_match_a_real_handover_run(make_llama, make_proxy, tmp_path):
     files = [p for p in slots.iterdir() if p.is_file()]
     assert value(m, "slotkeeper_disk_files") == len(files) == 4  # two states, two metas
     assert value(m, "slotkeeper_disk_bytes") == sum(p.stat().st_size for p in files)
-    print(f"scrape of /metrics took {scrape_ms:.1f} ms")
+    print(f"scrape of /slotkeeper/metrics took {scrape_ms:.1f} ms")
 
 
 def test_restore_that_is_not_reused_counts_a_miss(make_llama, make_proxy, tmp_path):
@@ -260,5 +260,31 @@ def test_metrics_answer_while_the_server_is_down(make_proxy, tmp_path):
     assert value(m, "slotkeeper_disk_files") == 0
     assert value(m, "slotkeeper_slot_operations_total", operation="save", outcome="ok") == 0
     assert any(name == "process_resident_memory_bytes" for name, _ in m)
-    r = requests.post(proxy.url + "/metrics", json={}, timeout=10)  # past the guard
+    r = requests.post(proxy.url + "/slotkeeper/metrics", json={}, timeout=10)  # past the guard
     assert r.status_code == 405
+
+
+# Hop-by-hop and per-answer headers: mitmproxy's reverse mode may set these itself (issue #32
+# asks for the server's answer unchanged: its status, its own headers and its body).
+PER_HOP = frozenset({"date", "connection", "keep-alive", "transfer-encoding"})
+
+
+@pytest.mark.parametrize("server_metrics", [True, False], ids=["--metrics", "no --metrics"])
+def test_llama_servers_own_metrics_pass_through_unchanged(make_llama, make_proxy,
+                                                          server_metrics):
+    """GET /metrics through slotkeeper is llama-server's answer: its `llamacpp:*` series with
+    `--metrics`, its 501 without; slotkeeper's own are at /slotkeeper/metrics (issue #32)."""
+    server = make_llama(np=1, ctx=2048, extra=["--metrics"] if server_metrics else [])
+    proxy = make_proxy(server.url)
+    direct = requests.get(server.url + "/metrics", timeout=30)
+    through = requests.get(proxy.url + "/metrics", timeout=30)
+    assert direct.status_code == (200 if server_metrics else 501)
+    assert through.status_code == direct.status_code
+    assert through.content == direct.content
+    own = {k.lower(): v for k, v in direct.headers.items() if k.lower() not in PER_HOP}
+    seen = {k.lower(): v for k, v in through.headers.items() if k.lower() not in PER_HOP}
+    assert seen == own
+    assert ("llamacpp:prompt_tokens_total" in through.text) == server_metrics
+    assert "slotkeeper_" not in through.text
+    ours = requests.get(proxy.url + "/slotkeeper/metrics", timeout=30)
+    assert ours.status_code == 200 and "slotkeeper_requests_total" in ours.text

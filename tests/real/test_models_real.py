@@ -93,7 +93,7 @@ def test_a_session_survives_its_model_being_swapped_out(make_router, make_proxy,
     assert reused_share(timings) >= 0.9, timings
     assert router.loaded() == ["model-a"]
 
-    # Visible: each session's model in /api/sessions and /metrics; the swap-time saves.
+    # Visible: each session's model in /api/sessions and /slotkeeper/metrics; the swap-time saves.
     current = requests.get(proxy.url + "/api/sessions/current", timeout=30).json()
     models = {up.get("model"): {s["session"] for s in up["slots"].values()}
               for up in current["upstreams"].values()}
@@ -102,7 +102,7 @@ def test_a_session_survives_its_model_being_swapped_out(make_router, make_proxy,
                                               timeout=30).json()["sessions"]}
     assert saved["a-1"]["resident"]["model"] == "model-a", saved
     assert saved["b-1"]["resident"] is None  # saved, its model unloaded
-    metrics = requests.get(proxy.url + "/metrics", timeout=30).text
+    metrics = requests.get(proxy.url + "/slotkeeper/metrics", timeout=30).text
     swap_saves = {m: float(v) for m, v in re.findall(
         r'^slotkeeper_swap_saves_total\{model="([^"]+)"\} (\S+)$', metrics, re.M)}
     # model-a went for B (A saved), then model-b went for A's 3rd turn (B saved).

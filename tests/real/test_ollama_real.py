@@ -50,10 +50,10 @@ def slots(server: LlamaServer) -> list[dict[str, Any]]:
 
 
 def prefilled_tokens(proxy: Proxy | str) -> float:
-    """The proxy's count of prefilled prompt tokens so far (its /metrics). Ollama's
+    """The proxy's count of prefilled prompt tokens so far (its /slotkeeper/metrics). Ollama's
     prompt_eval_count is the whole prompt (issue #20.6), so what was prefilled is read here."""
     url = proxy.url if isinstance(proxy, Proxy) else proxy
-    text = requests.get(url + "/metrics", timeout=10).text
+    text = requests.get(url + "/slotkeeper/metrics", timeout=10).text
     for line in text.splitlines():
         if line.startswith('slotkeeper_prompt_tokens_total{kind="prefilled"}'):
             return float(line.rsplit(" ", 1)[1])
@@ -338,3 +338,22 @@ def test_embeddings_between_turns_keep_the_session_cache(make_llama, make_proxy)
             embed_tokens = {s.get("n_prompt_tokens") for s in slots(server)}
             assert len(embed_tokens) == 1 and embed_tokens != {prefilled[0]}
     assert prefilled[0] > 300 and prefilled[2] < 40, prefilled
+
+
+def test_an_ignored_setting_is_logged_once_per_client_and_value(make_llama, make_proxy):
+    """An Ollama client that sends `options.num_ctx` on every request (LangChain's ChatOllama
+    and OpenWebUI do) gets one log line for it, not one a request (issue #32); a new value is
+    said again, and so is the same value from another client."""
+    server, proxy = ollama_proxy(make_llama, make_proxy)
+    messages = [{"role": "user", "content": "Say hi."}]
+    options = {"temperature": 0, "num_predict": 2, "num_ctx": 8192}
+    first = client(proxy)
+    for _ in range(10):
+        assert first.chat(model="gemma", messages=messages, options=options).done
+    log = proxy.log_text()
+    assert log.count("num_ctx=8192") == 1, log
+    first.chat(model="gemma", messages=messages, options={**options, "num_ctx": 4096})
+    other = client(proxy, **{"User-Agent": "another-client/1.0"})
+    other.chat(model="gemma", messages=messages, options=options)
+    log = proxy.log_text()
+    assert log.count("num_ctx=4096") == 1 and log.count("num_ctx=8192") == 2, log

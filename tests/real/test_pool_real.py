@@ -203,7 +203,7 @@ def test_drain_moves_sessions_out_and_takes_no_new_ones(make_llama, make_proxy, 
     assert f"Upstream {other.url} (pool member)" in text, text
     on_other = next(up for up in report.upstreams if up["url"] == other.url)
     assert {s["session"] for s in on_other["slots"]} >= {"drain-1", "drain-2"}, on_other
-    metrics = requests.get(proxy.url + "/metrics", timeout=10).text
+    metrics = requests.get(proxy.url + "/slotkeeper/metrics", timeout=10).text
     assert f'slotkeeper_upstream_draining{{upstream="{home.url}"}} 1.0' in metrics
     assert (f'slotkeeper_session_upstream{{resident="true",session="drain-1",'
             f'upstream="{other.url}"}} 1.0') in metrics

@@ -126,13 +126,13 @@ def test_web_pages_cannot_clear_drain_or_read_the_proxy(chromium, llama, make_pr
             browser.goto(f"http://rebind.example:{proxy.port}/health")
             browser.wait_for("document.readyState === 'complete'")
             rebound = {path: browser.evaluate(f"fetch('{path}').then(r => r.status)")
-                       for path in ("/api/sessions/current", "/api/sessions", "/metrics")}
+                       for path in ("/api/sessions/current", "/api/sessions", "/slotkeeper/metrics")}
     finally:
         page.close()
     assert results["no-cors POST clear, text/plain"] == "sent (opaque)", results  # it did go
     assert "victim" in claimed(proxy)  # nothing cleared
     assert results["cors GET sessions (read)"].startswith("blocked"), results
-    assert rebound == {"/api/sessions/current": 403, "/api/sessions": 403, "/metrics": 403}
+    assert rebound == {"/api/sessions/current": 403, "/api/sessions": 403, "/slotkeeper/metrics": 403}
     log = proxy.log_text()
     # Each reached the proxy and was refused there (not by the browser on its own).
     assert log.count("POST /api/sessions/clear refused (403)") == 2, log[-3000:]
@@ -142,7 +142,7 @@ def test_web_pages_cannot_clear_drain_or_read_the_proxy(chromium, llama, make_pr
     reliability.row("a web page of another origin in headless Chromium: fetch no-cors POST "
                     "/api/sessions/clear and /api/upstreams/drain, a CORS POST with JSON, a "
                     "CORS read; and a DNS-rebinding page (rebind.example mapped to 127.0.0.1) "
-                    "reading /api/sessions and /metrics",
+                    "reading /api/sessions and /slotkeeper/metrics",
                     outcome=f"the no-cors POSTs arrive (text/plain, the page's Origin) and get "
                             f"403 for the foreign Origin; the CORS POST's preflight gets 403, "
                             f"so it is never sent; the CORS read gets no CORS headers; the "
@@ -160,7 +160,7 @@ def test_text_plain_posts_and_foreign_hosts_are_refused(llama, make_proxy, relia
                       headers={"Origin": "http://127.0.0.1:1"})
     assert r.status_code == 403
     assert "keeper" in claimed(proxy)
-    for path in ("/api/sessions/current", "/metrics"):
+    for path in ("/api/sessions/current", "/slotkeeper/metrics"):
         r = requests.get(proxy.url + path, headers={"Host": "evil.example"}, timeout=30)
         assert r.status_code == 403 and "slotkeeper_api_hosts" in r.text, path
     # The proxy's own page origin may change things; completions ignore Host and Origin.
@@ -172,7 +172,7 @@ def test_text_plain_posts_and_foreign_hosts_are_refused(llama, make_proxy, relia
                ).status_code == 200
     assert not problems_in(proxy.log_text())
     reliability.row("from loopback: POST /api/sessions/clear with a text/plain body, or "
-                    "another origin's Origin; GET /api/sessions/current and /metrics with "
+                    "another origin's Origin; GET /api/sessions/current and /slotkeeper/metrics with "
                     "Host: evil.example",
                     outcome="415 naming application/json; 403; 403 naming "
                             "slotkeeper_api_hosts; the sessions stay; with JSON and no "
@@ -323,7 +323,7 @@ def test_a_model_replaced_at_the_same_path_is_not_restored(make_llama, make_prox
     assert cold.headers["X-Slotkeeper-Action"] == "assigned"
     answer = turn.json()["choices"][0]["message"]["content"]
     assert answer == cold.json()["choices"][0]["message"]["content"]
-    metrics = requests.get(proxy.url + "/metrics", timeout=30).text
+    metrics = requests.get(proxy.url + "/slotkeeper/metrics", timeout=30).text
     refused = [line for line in metrics.splitlines()
                if line.startswith('slotkeeper_restore_refused_total{reason="fingerprint"}')]
     assert refused and float(refused[0].split()[-1]) >= 1, refused

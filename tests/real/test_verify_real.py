@@ -37,7 +37,7 @@ def test_verification_reports_the_slot_the_server_really_used(make_llama, make_p
     assert len(ran) == 1, (before, after)
     truth, pinned = ran[0], int(r.headers["X-Slotkeeper-Slot"])
     verified = r.headers.get("X-Slotkeeper-Verified")
-    metrics = requests.get(proxy.url + "/metrics", timeout=30).text
+    metrics = requests.get(proxy.url + "/slotkeeper/metrics", timeout=30).text
     mismatches = next(float(line.split()[-1]) for line in metrics.splitlines()
                       if line.startswith("slotkeeper_slot_mismatches_total"))
     print(f"pinned slot {pinned}, ran on slot {truth}, X-Slotkeeper-Verified: {verified}")

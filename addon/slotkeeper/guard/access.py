@@ -20,13 +20,15 @@ def error(status: int, message: str) -> http.Response:
 
 
 READ_METHODS = frozenset({"GET", "HEAD"})
+# slotkeeper's own metrics have a path of their own: `/metrics` is llama-server's (issue #32).
+METRICS_PATH = "/slotkeeper/metrics"
 MANAGEMENT_PREFIXES = ("/api/sessions", "/api/upstreams")
 
 
 def is_management_path(path: str) -> bool:
     """slotkeeper's own endpoints (the path without its query): the session and pool APIs
-    and /metrics."""
-    if path.rstrip("/") == "/metrics":
+    and its metrics."""
+    if path.rstrip("/") == METRICS_PATH:
         return True
     return any(path == p or path.startswith(p + "/") for p in MANAGEMENT_PREFIXES)
 
@@ -43,7 +45,7 @@ def is_loopback(host: str) -> bool:
 
 
 def management_access(flow: http.HTTPFlow, token: str) -> http.Response | None:
-    """The one access check for slotkeeper's own endpoints (/api/..., /metrics): None when the
+    """The one access check for slotkeeper's own endpoints (/api/..., its metrics): None when the
     call may go on, else the answer to give instead.
 
     - No token configured: loopback clients only (403 for others), every method.

@@ -24,7 +24,7 @@ log = logging.getLogger("slotkeeper.api")
 
 # Every path a rule may apply to starts so (management calls and the Ollama surface's routes);
 # on the Ollama port, every path.
-GUARDED_PREFIXES = ("/api/", "/metrics")
+GUARDED_PREFIXES = ("/api/", "/slotkeeper/")
 
 
 class BrowserGuard:
@@ -37,7 +37,7 @@ class BrowserGuard:
     def load(self, loader) -> None:
         loader.add_option("slotkeeper_api_hosts", Sequence[str], [],
                           "Host names (besides IP addresses, localhost, listen_host and this "
-                          "machine's name) that management calls (/api/..., /metrics) may "
+                          "machine's name) that management calls (/api/..., /slotkeeper/metrics) may "
                           "name in their Host header; any other is refused (DNS rebinding).")
         loader.add_option("slotkeeper_ollama_origins", Sequence[str], [],
                           "Browser origins allowed on the Ollama routes besides loopback ones "

@@ -1,7 +1,7 @@
 """Who may drive the proxy from a browser (issue #21): pure decisions on the `Host` and
 `Origin` headers. No I/O and nothing of mitmproxy: guard.py applies them to flows.
 
-- A management call (/api/sessions, /api/upstreams, /metrics) must name the proxy in its
+- A management call (/api/sessions, /api/upstreams, /slotkeeper/metrics) must name the proxy in its
   `Host` header by an IP address or a name it listens as: a DNS-rebinding page reaches the
   proxy under a name of the attacker's (its `Host`), so it is refused even though it is "the
   same origin" to the browser.

@@ -137,7 +137,7 @@ def start_proxy(upstream: str, port: int, work: Path) -> subprocess.Popen[bytes]
 def seed_tokens(proxy: str) -> int:
     """Tokens the proxy prefilled to build seeds: its own requests, not in any answer's
     timings (slotkeeper_slot_operation_tokens_total{operation="seed_build"})."""
-    text = requests.get(proxy + "/metrics", timeout=30).text
+    text = requests.get(proxy + "/slotkeeper/metrics", timeout=30).text
     prefix = 'slotkeeper_slot_operation_tokens_total{operation="seed_build"}'
     return sum(int(float(row.split()[-1])) for row in text.splitlines()
                if row.startswith(prefix))

@@ -1,4 +1,4 @@
-"""The `/metrics` endpoint: slotkeeper's counters (observe/metrics.py) plus the gauges read
+"""slotkeeper's metrics endpoint, `/slotkeeper/metrics`: its counters (observe/metrics.py) plus the gauges read
 when scraped (slots per upstream from the state file, the slot folder's files and bytes, the
 prefill speed estimate, the pool's members, the session each model holds), served by the
 proxy itself so that it answers while llama-server is down."""
@@ -15,13 +15,15 @@ from mitmproxy import http
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.core import GaugeMetricFamily
 
-from ..guard.access import management_access
+from ..guard.access import METRICS_PATH, management_access
 from ..observe import metrics
 from ..upstream.models import split_key
 
 log = logging.getLogger("slotkeeper.metrics")
 
-PATH = "/metrics"
+# Its own path: `/metrics` is llama-server's (`--metrics`) and passes through unchanged, so a
+# client or scraper that reads the server's metrics through the proxy still gets them (#32).
+PATH = METRICS_PATH
 
 
 class LiveGauges:
@@ -135,13 +137,13 @@ def bind(keeper: Any) -> None:
 
 # ---- the endpoint ----------------------------------------------------------------------------
 
-_METRICS_PATH = re.compile(r"^/metrics/?$")
+_METRICS_PATH = re.compile("^" + re.escape(PATH) + "/?$")
 
 
 class MetricsEndpoint:
-    """Answers `GET /metrics` on the proxy itself (like /api/sessions), so it works while
-    llama-server is down. It shadows llama-server's own /metrics (`--metrics`): scrape the
-    server directly for those."""
+    """Answers `GET /slotkeeper/metrics` on the proxy itself (like /api/sessions), so it
+    works while llama-server is down. llama-server's own `/metrics` is not shadowed: it passes
+    through like any of the server's routes."""
 
     def __init__(self, keeper: Any) -> None:
         self.keeper = keeper
@@ -150,7 +152,7 @@ class MetricsEndpoint:
         bind(self.keeper)
 
     def on_request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
-        """Answers /metrics; any other request passes on without a coroutine being made for it
+        """Answers its path; any other request passes on without a coroutine being made for it
         (every request comes here, from front.Front)."""
         if flow.response is not None or not _METRICS_PATH.match(
                 flow.request.path.split("?", 1)[0]):
@@ -165,7 +167,7 @@ class MetricsEndpoint:
             flow.response = denied
             return
         if flow.request.method not in ("GET", "HEAD"):
-            flow.response = http.Response.make(405, b"GET /metrics\n",
+            flow.response = http.Response.make(405, f"GET {PATH}\n".encode(),
                                                {"Content-Type": "text/plain", "Allow": "GET"})
             return
         try:

@@ -74,6 +74,19 @@ class Mapped:
     context: list[int] | None = None  # /api/generate: the prompt tokens (context + new)
 
 
+def ignored_settings(body: Any, ignored: list[str]) -> list[str]:
+    """Each ignored name with the value the request gave it, as the log says it
+    (`num_ctx=8192`, `weird=1 (unknown)`): from the body's `options`, else the body itself."""
+    options = body.get("options") if isinstance(body, dict) else None
+    said = []
+    for entry in ignored:
+        name, _, note = entry.partition(" ")
+        source = (options if isinstance(options, dict) and name in options
+                  else body if isinstance(body, dict) else {})
+        value = json.dumps(source.get(name), ensure_ascii=False, default=str)[:40]
+        said.append(f"{name}={value}" + (f" {note}" if note else ""))
+    return said
+
 
 def upstream_error(status: int, raw: bytes) -> str:
     """The message of a llama-server error body (`{"error": {"message": ...}}`), or the body."""

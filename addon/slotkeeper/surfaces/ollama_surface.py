@@ -18,6 +18,7 @@ import requests
 from mitmproxy import ctx, exceptions, http
 
 from ..guard import cors, origins
+from ..store.memories import MAX_REMEMBERED_SESSIONS, Recent
 from ..wire import bodies, replies
 from ..wire.bodies import BodyError, BodyRefused
 from ..wire.translation import TRANSLATION_KEY
@@ -87,6 +88,9 @@ class OllamaSurface:
         self.allowed_origin: cors.Allowed = cors.loopback_origin
         self.files = ModelFiles()
         self._warmed: set[str] = set()  # servers whose model file was read off the event loop
+        # (client, setting=value) already logged as ignored: a client that sends num_ctx on
+        # every request is told once, not on every request (issue #32).
+        self._said_ignored: Recent[tuple[str, str, str], bool] = Recent(MAX_REMEMBERED_SESSIONS)
         # Tokenizing, templating and the model facts are blocking calls to llama-server.
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="slotkeeper-ollama")
 
@@ -177,8 +181,9 @@ class OllamaSurface:
         elif path in ("/api/embed", "/api/embeddings"):
             _expect(method, "POST")
             legacy = path == "/api/embeddings"
-            mapped = ollama_requests.embed_request(self._body(flow), legacy)
-            self._send(flow, path, mapped)
+            body = self._body(flow)
+            mapped = ollama_requests.embed_request(body, legacy)
+            self._send(flow, path, mapped, body)
             shaper = AnswerShaper(mapped)
             _translate(flow, OllamaTranslation(lambda data: shaper.embeddings(data, legacy)))
         elif path in ollama.UNSUPPORTED_ROUTES or path.startswith("/api/blobs"):
@@ -214,17 +219,28 @@ class OllamaSurface:
                 ollama_requests.generate_request, body,
                 lambda text, special: tokenize(url, text, special),
                 lambda messages, fields: render(url, messages, fields))
-        self._send(flow, path, mapped)
+        self._send(flow, path, mapped, body)
         shaper = AnswerShaper(mapped)
         streamer = StreamTranslator(shaper) if mapped.stream else None
         _translate(flow, OllamaTranslation(shaper.whole, streamer))
 
-    def _send(self, flow: http.HTTPFlow, path: str, mapped: Mapped) -> None:
+    def _send(self, flow: http.HTTPFlow, path: str, mapped: Mapped, body: Any) -> None:
         _rewrite(flow, "POST", mapped.path, mapped.body)
         flow.comment = f"Ollama {path} -> {mapped.path}"
         if mapped.ignored:
-            log.info("%s: ignored %s (llama-server has no per-request equivalent)", path,
-                     ", ".join(mapped.ignored))
+            self._say_ignored(flow, path, ollama.ignored_settings(body, mapped.ignored))
+
+    def _say_ignored(self, flow: http.HTTPFlow, path: str, settings: list[str]) -> None:
+        """One log line for the settings this client has not sent with these values before
+        (a client: its address and User-Agent)."""
+        peer = flow.client_conn.peername
+        client = (str(peer[0]) if peer else "", flow.request.headers.get("user-agent", ""))
+        fresh = [s for s in settings if (*client, s) not in self._said_ignored]
+        for setting in fresh:
+            self._said_ignored[(*client, setting)] = True
+        if fresh:
+            log.info("%s: ignored %s (llama-server has no per-request equivalent; said once "
+                     "per client and value)", path, ", ".join(fresh))
 
     def _body(self, flow: http.HTTPFlow) -> Any:
         """The request's JSON (an empty body is {}): the one body read (bodies.read_body)."""

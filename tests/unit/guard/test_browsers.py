@@ -115,16 +115,16 @@ def test_the_guard_refuses_browsers_on_management_calls(reliability):
         page = request(guard, "POST", "/api/upstreams/drain", content_type="application/json",
                        origin="http://127.0.0.1:5555")
         assert page.response.status_code == 403
-        for path in ("/api/sessions", "/api/sessions/current", "/metrics", "/api/upstreams"):
+        for path in ("/api/sessions", "/api/sessions/current", "/slotkeeper/metrics", "/api/upstreams"):
             rebound = request(guard, "GET", path, host="evil.example:8000")
             assert rebound.response.status_code == 403, path
             assert "slotkeeper_api_hosts" in rebound.response.text
-        assert request(guard, "GET", "/metrics", host="localhost:8000").response is None
+        assert request(guard, "GET", "/slotkeeper/metrics", host="localhost:8000").response is None
         # Completions are not management calls: no Host or Origin rule.
         assert request(guard, "POST", "/v1/chat/completions", host="evil.example",
                        origin="http://evil.example").response is None
         tctx.configure(guard, slotkeeper_api_hosts=["evil.example"])
-        assert request(guard, "GET", "/metrics", host="evil.example:8000").response is None
+        assert request(guard, "GET", "/slotkeeper/metrics", host="evil.example:8000").response is None
     reliability.row("management calls as a browser sends them: POST /api/sessions/clear with a "
                     "text/plain body, a POST with another page's Origin, any call whose Host "
                     "is a DNS-rebinding name (unit level)",
@@ -178,7 +178,8 @@ def test_the_guard_looks_at_every_path_a_rule_applies_to():
     from slotkeeper.guard.access import MANAGEMENT_PREFIXES, is_management_path
     from slotkeeper.guard.browser import GUARDED_PREFIXES
     assert all(prefix.startswith(GUARDED_PREFIXES) for prefix in MANAGEMENT_PREFIXES)
-    for path in ("/metrics", "/metrics/", "/metrics?x=1", "/api/sessions/a/clear",
-                 "/api/upstreams/drain", "/api/chat", "/api/tags"):
+    for path in ("/slotkeeper/metrics", "/slotkeeper/metrics/", "/slotkeeper/metrics?x=1",
+                 "/api/sessions/a/clear", "/api/upstreams/drain", "/api/chat", "/api/tags"):
         assert path.startswith(GUARDED_PREFIXES), path
     assert not is_management_path("/v1/chat/completions")
+    assert not is_management_path("/metrics")  # llama-server's own: passed through

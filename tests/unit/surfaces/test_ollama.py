@@ -429,3 +429,13 @@ def write_gguf(path, meta: dict, tensors: list[tuple[str, list[int]]]) -> None:
         out += string(name) + struct.pack("<I", len(dims)) + b"".join(
             struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", 0, 0)
     path.write_bytes(out)
+
+
+def test_ignored_settings_name_the_values_sent():
+    """The log names each ignored setting with its value (issue #32: said once per client
+    and value), from `options` or from the body itself."""
+    body = {"options": {"num_ctx": 8192, "weird": [1, 2]}, "keep_alive": "5m"}
+    assert ollama.ignored_settings(body, ["num_ctx", "weird (unknown)", "keep_alive"]) == [
+        "num_ctx=8192", "weird=[1, 2] (unknown)", 'keep_alive="5m"']
+    assert ollama.ignored_settings("junk", ["num_ctx"]) == ["num_ctx=null"]
+
