@@ -56,6 +56,7 @@ from .wire.translation import translation_of
 log = logging.getLogger("slotkeeper")
 
 SHUTDOWN_WAIT_SECONDS = 30.0
+CLOSE_WAIT_SECONDS = 2.0
 
 
 class SlotKeeper:
@@ -333,11 +334,31 @@ class SlotKeeper:
         if self.router is not None and self.router.folder is not None:
             saved = await loop.run_in_executor(self.pool, self.router.accounting.save_all)
             log.info("shutdown: saved %d sessions", saved)
+        await close_client_connections(loop.time() + CLOSE_WAIT_SECONDS)
         self._close()
 
     def _close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.release_pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def close_client_connections(deadline: float) -> None:
+    """Shutdown, once the requests in flight have ended: close the client connections still
+    open (clients' idle keep-alive ones) the way a client's own disconnect closes them.
+
+    Left open, asyncio.run cancels their tasks after mitmproxy has stopped, and Python 3.12's
+    start_server callback then reads each cancelled task's exception: one CancelledError
+    traceback per connection (issue #32; plain mitmdump does the same). Cancelling the
+    connection's handler instead ends its client task normally, as a disconnect does."""
+    proxyserver = ctx.master.addons.get("proxyserver")
+    open_now = getattr(proxyserver, "connections", {})
+    for handler in list(open_now.values()):
+        client = handler.transports.get(handler.client)
+        if client is not None and client.handler is not None:
+            client.handler.cancel("slotkeeper is shutting down")
+    loop = asyncio.get_running_loop()
+    while open_now and loop.time() < deadline:
+        await asyncio.sleep(0.02)
 
 
 def point_at_any(router: Router | None, flow: http.HTTPFlow) -> None:

@@ -209,3 +209,33 @@ def test_slot_dir_out_of_reach_pins_anyway_and_the_api_says_why(llama, make_prox
     assert r.status_code == 409
     assert str(missing) in r.json()["error"]["message"]
     assert "pinned but not saved" in proxy.log_text()
+
+
+def test_ctrl_c_with_open_keep_alive_connections_saves_and_prints_no_traceback(
+        make_llama, make_proxy, tmp_path):
+    """Ctrl-C (SIGINT) while three clients hold keep-alive connections open (as agents and
+    chat UIs do): every session is saved, the connections are closed, and the log has no
+    traceback (issue #32: one CancelledError traceback per connection before)."""
+    slot_dir = tmp_path / "slots"
+    server = make_llama(slot_save_path=slot_dir)
+    proxy = make_proxy(server, slotkeeper_slot_dir=str(slot_dir),
+                       slotkeeper_small_request_chars=0, slotkeeper_idle_save_seconds=0)
+    system = long_system_prompt(300, seed=31)
+    clients = []
+    for i in range(3):
+        http = requests.Session()  # one connection, kept alive after the answer
+        body = {"messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": f"Client {i}: name a prime."}],
+                "max_tokens": 4, "temperature": 0}
+        r = http.post(proxy.url + "/v1/chat/completions", json=body,
+                      headers={"X-Session-Id": f"keepalive{i}"}, timeout=300)
+        assert r.status_code == 200 and r.headers.get("Connection", "").lower() != "close"
+        clients.append(http)
+    proxy.stop()  # SIGINT, the connections still open
+    log = proxy.log_text()
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+    assert "shutdown: saved 3 sessions" in log, log[-3000:]
+    for i in range(3):
+        assert (slot_dir / file_name_for(f"keepalive{i}")).with_suffix(".json").exists()
+    for http in clients:
+        http.close()
