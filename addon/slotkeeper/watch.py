@@ -1,7 +1,7 @@
 """Background work of the addon on the event loop, each started by `running`/`configure` and
 stopped by `done` (a script reload leaves nothing behind): the health watcher that polls every
-upstream, and the idle-save timers that save a session a few seconds after its last request.
-Blocking calls go to the executor they are given."""
+upstream and keeps a sentinel connection to each, and the idle-save timers that save a session
+a few seconds after its last request. Blocking calls go to the executor they are given."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
+
+from .upstream.models import split_key
+from .upstream.sentinel import Sentinel
 
 log = logging.getLogger("slotkeeper")
 
@@ -19,12 +22,15 @@ class HealthWatcher:
     """Poll /health of every upstream seen so far. A failure (down, or 503 while loading a
     model) means it may come back as a fresh server with empty slots: mark it suspect, so
     the next request verifies /slots before trusting a slot to still hold a session.
-    Measured: a restart of the test server takes over a second, so 0.5 s polls see it."""
+    Measured: a restart of the test server takes over a second, so 0.5 s polls see it; one
+    that falls between two polls is seen by the sentinel (upstream/sentinel.py), whose
+    connection to the server ends the moment the server does."""
 
     def __init__(self, router: Callable[[], object], executor: Executor) -> None:
         self._router = router  # the current router.Router, or None (replaced on configure)
         self._executor = executor
         self._task: asyncio.Task | None = None
+        self._sentinel = Sentinel(self._lost)
 
     def start(self) -> None:
         self.stop()
@@ -34,13 +40,23 @@ class HealthWatcher:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+        self._sentinel.stop()
 
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(HEALTH_POLL_SECONDS)
             router = self._router()
             if router is not None:
+                self._sentinel.watch({split_key(url)[0] for url, _ in router.upstreams.known()})
                 await self.poll_once(router)
+
+    def _lost(self, base_url: str) -> None:
+        """The server at `base_url` may have restarted: every upstream key on it (each model
+        behind a router) is verified before a request trusts its slots again."""
+        router = self._router()
+        for url, _ in router.upstreams.known() if router is not None else ():
+            if split_key(url)[0] == base_url:
+                router.upstreams.mark_suspect(url)
 
     async def poll_once(self, router) -> None:
         pool = set(router.config.upstreams)

@@ -13,6 +13,7 @@ name and in its reliability row."""
 from __future__ import annotations
 
 import http.client
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class FakeFaultyLlama:
     faults: dict[str, Fault] = field(default_factory=dict)  # key: "GET /slots", "POST /slots/"
     seen: list[str] = field(default_factory=list)
     _server: ThreadingHTTPServer | None = None
+    _open: set[socket.socket] = field(default_factory=set)  # its clients' connections
 
     @property
     def url(self) -> str:
@@ -50,13 +52,20 @@ class FakeFaultyLlama:
 
     def start(self) -> FakeFaultyLlama:
         fake = self
-        target = urlsplit(self.real_url)
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
             def log_message(self, *args) -> None:  # quiet
                 pass
+
+            def setup(self) -> None:
+                super().setup()
+                fake._open.add(self.connection)
+
+            def finish(self) -> None:
+                fake._open.discard(self.connection)
+                super().finish()
 
             def _handle(self) -> None:
                 length = int(self.headers.get("content-length") or 0)
@@ -73,6 +82,7 @@ class FakeFaultyLlama:
                         self._reply(fault.status, {"Content-Type": "application/json"},
                                     payload)
                         return
+                target = urlsplit(fake.real_url)
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=600)
                 try:
                     headers = {k: v for k, v in self.headers.items()
@@ -138,6 +148,17 @@ class FakeFaultyLlama:
                 fault.hits += 1
                 return fault
         return None
+
+    def restart_as(self, real_url: str) -> None:
+        """A restart faster than any poll: every connection open to the fake is closed at
+        once, as a dying server's are, and from now on the answers come from `real_url`
+        (another real llama-server). Its /health never failed in between."""
+        self.real_url = real_url
+        for conn in list(self._open):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def stop(self) -> None:
         if self._server is not None:

@@ -276,6 +276,39 @@ def test_llama_server_killed_mid_stream_then_restarted(make_llama, make_proxy, s
         lost="the answer in flight (the client sees the error)")
 
 
+# ---- a restart faster than the health poll (fake) ---------------------------------------------
+
+def test_fake_restart_between_two_health_polls_is_noticed_before_the_next_turn(
+        make_llama, make_proxy, slot_dir, reliability):
+    """A FAKE front (its /health never fails) 'restarts' in no time: every connection to it
+    closes at once, as a dying server's do, and a fresh real llama-server with empty slots
+    answers from then on. The health poll cannot see it; the sentinel's connection does
+    (issue #32: the next turn went out `kept` and was prefilled in full). Deterministic: no
+    timing decides it."""
+    first = make_llama(np=2, ctx=4096, slot_save_path=slot_dir)
+    fake = FakeFaultyLlama(first.url).start()
+    try:
+        proxy = make_proxy(fake.url, slotkeeper_slot_dir=str(slot_dir), **SAVE_FAST)
+        a = Session("fastrestart")
+        assert a.ask(proxy.url, "Name a prime.").action == "assigned"
+        saved = wait_saved(slot_dir, a.sid)
+        fresh = make_llama(np=2, ctx=4096, slot_save_path=slot_dir)  # a new server, empty
+        fake.restart_as(fresh.url)
+        time.sleep(0.3)  # the proxy is told in milliseconds; no poll is waited for
+        turn = a.ask(proxy.url, "And another?")
+        assert turn.action == "restored", (turn.action, turn.headers)
+        assert turn.cache_n >= 0.9 * saved["n_tokens"], (turn.cache_n, saved)
+        assert "its connection closed: slots will be verified" in proxy.log_text()
+        clean(proxy)
+    finally:
+        fake.stop()
+    reliability.row("llama-server restarted between two health polls (fake: connections "
+                    "closed, a fresh server behind the same address, /health never failing)",
+                    outcome="the closed sentinel connection marks the server suspect; the "
+                            "next turn verifies /slots and is restored from its snapshot",
+                    lost="none")
+
+
 # ---- /slots disabled, failing (fake), slow (fake) --------------------------------------------
 
 def test_slots_disabled_with_no_slots(make_llama, make_proxy, llama, reliability):

@@ -1,0 +1,101 @@
+"""A restarted llama-server noticed the moment it goes, at no cost to any request (issue #32).
+
+One keep-alive connection to each server, probed with `GET /health` every half second and
+watched in between. A server process that dies closes it at once, however fast it comes back:
+the connection ending without the server saying so (`Connection: close`, which cpp-httplib
+sends on the last answer a connection may carry) means the server may be a new one, with
+empty slots. The health poll alone missed a restart that fell between two polls (a kept turn
+then went to an empty slot and was prefilled in full, its snapshot unused).
+
+Event-loop code only: a probe is a few bytes on an open connection, no thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from urllib.parse import urlsplit
+
+log = logging.getLogger("slotkeeper")
+
+PROBE_SECONDS = 0.5
+RETRY_SECONDS = 0.5
+ANSWER_TIMEOUT_SECONDS = 10.0  # a /health answer held longer than this: probe afresh
+
+
+class ConnectionLost(Exception):
+    """The server closed the connection without saying it would."""
+
+
+class Sentinel:
+    """Watches each base URL given to `watch` until `stop`; calls `on_lost(url)` from the event
+    loop each time the server may have restarted (its connection lost, or refused)."""
+
+    def __init__(self, on_lost: Callable[[str], None]) -> None:
+        self._on_lost = on_lost
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    def watch(self, urls: Iterable[str]) -> None:
+        for url in urls:
+            if url not in self._tasks and urlsplit(url).scheme == "http":
+                self._tasks[url] = asyncio.get_running_loop().create_task(self._guard(url))
+
+    def stop(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        self._tasks.clear()
+
+    async def _guard(self, url: str) -> None:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+            except OSError:  # down: the health poll says so too; this keeps trying
+                await asyncio.sleep(RETRY_SECONDS)
+                continue
+            try:
+                await _probe_until_closed(reader, writer, f"{host}:{port}")
+            except (ConnectionLost, OSError, asyncio.IncompleteReadError, ValueError):
+                log.info("%s: its connection closed: slots will be verified", url)
+                self._on_lost(url)
+            except TimeoutError:
+                pass  # a slow answer is not a restart: open a fresh connection
+            finally:
+                writer.close()
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
+
+
+async def _probe_until_closed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                              host: str) -> None:
+    """Returns when the server said it closes the connection; raises ConnectionLost when it
+    closed it without saying so."""
+    request = (f"GET /health HTTP/1.1\r\nHost: {host}\r\nUser-Agent: slotkeeper\r\n\r\n"
+               ).encode()
+    while True:
+        writer.write(request)
+        await writer.drain()
+        closing = await asyncio.wait_for(_read_answer(reader), ANSWER_TIMEOUT_SECONDS)
+        if closing:
+            return
+        try:  # idle until the next probe, unless the server closes the connection first
+            extra = await asyncio.wait_for(reader.read(1), PROBE_SECONDS)
+        except TimeoutError:
+            continue
+        raise ConnectionLost("closed" if not extra else "unasked bytes")
+
+
+async def _read_answer(reader: asyncio.StreamReader) -> bool:
+    """Reads one answer; True when the server will close the connection after it."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    headers = {}
+    for line in head.decode("latin-1").split("\r\n")[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = headers.get("content-length")
+    if length is None:
+        raise ConnectionLost("an answer without a length")  # never llama-server's /health
+    await reader.readexactly(int(length))
+    return headers.get("connection", "").lower() == "close"
