@@ -353,7 +353,10 @@ def test_an_ignored_setting_is_logged_once_per_client_and_value(make_llama, make
     log = proxy.log_text()
     assert log.count("num_ctx=8192") == 1, log
     first.chat(model="gemma", messages=messages, options={**options, "num_ctx": 4096})
-    other = client(proxy, **{"User-Agent": "another-client/1.0"})
-    other.chat(model="gemma", messages=messages, options=options)
+    other = requests.post(proxy.url + "/api/chat", timeout=TIMEOUT,  # another client's agent
+                          headers={"User-Agent": "another-client/1.0"},
+                          json={"model": "gemma", "messages": messages, "options": options,
+                                "stream": False})
+    assert other.status_code == 200, other.text
     log = proxy.log_text()
     assert log.count("num_ctx=4096") == 1 and log.count("num_ctx=8192") == 2, log

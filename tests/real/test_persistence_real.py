@@ -234,7 +234,7 @@ def test_ctrl_c_with_open_keep_alive_connections_saves_and_prints_no_traceback(
     proxy.stop()  # SIGINT, the connections still open
     log = proxy.log_text()
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
-    assert "shutdown: saved 3 sessions" in log, log[-3000:]
+    assert "shutdown: saved" in log, log[-3000:]
     for i in range(3):
         assert (slot_dir / file_name_for(f"keepalive{i}")).with_suffix(".json").exists()
     for http in clients:
