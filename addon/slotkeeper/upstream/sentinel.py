@@ -1,7 +1,7 @@
 """A restarted llama-server noticed the moment it goes, at no cost to any request (issue #32).
 
-One keep-alive connection to each server, probed with `GET /health` every half second and
-watched in between. A server process that dies closes it at once, however fast it comes back:
+One keep-alive connection to each server, watched all the time and probed with `GET /health`
+every 2 s, so that the server never closes it as idle (cpp-httplib does after 5 s). A server process that dies closes it at once, however fast it comes back:
 the connection ending without the server saying so (`Connection: close`, which cpp-httplib
 sends on the last answer a connection may carry) means the server may be a new one, with
 empty slots. The health poll alone missed a restart that fell between two polls (a kept turn
@@ -19,7 +19,11 @@ from urllib.parse import urlsplit
 
 log = logging.getLogger("slotkeeper")
 
-PROBE_SECONDS = 0.5
+# A close is seen the moment it happens whatever this is; it only has to stay under the
+# server's 5 s keep-alive timeout. Every 0.5 s, the whole proxy took 0.13-0.18 ms more CPU per
+# request than the addon before it in the overhead benchmark; every 2 s, 0.05-0.10 ms
+# (docs/BENCHMARKS.md section 3, "The layers").
+PROBE_SECONDS = 2.0
 RETRY_SECONDS = 0.5
 ANSWER_TIMEOUT_SECONDS = 10.0  # a /health answer held longer than this: probe afresh
 
