@@ -349,13 +349,16 @@ async def close_client_connections(deadline: float) -> None:
     Left open, asyncio.run cancels their tasks after mitmproxy has stopped, and Python 3.12's
     start_server callback then reads each cancelled task's exception: one CancelledError
     traceback per connection (issue #32; plain mitmdump does the same). Cancelling the
-    connection's handler instead ends its client task normally, as a disconnect does."""
+    connection's handler instead ends its client task normally, as a disconnect does.
+    mitmproxy 12's connection handlers are read with getattr: a later layout only brings the
+    tracebacks back."""
     proxyserver = ctx.master.addons.get("proxyserver")
     open_now = getattr(proxyserver, "connections", {})
     for handler in list(open_now.values()):
-        client = handler.transports.get(handler.client)
-        if client is not None and client.handler is not None:
-            client.handler.cancel("slotkeeper is shutting down")
+        client = getattr(handler, "transports", {}).get(getattr(handler, "client", None))
+        task = getattr(client, "handler", None)
+        if task is not None:
+            task.cancel("slotkeeper is shutting down")
     loop = asyncio.get_running_loop()
     while open_now and loop.time() < deadline:
         await asyncio.sleep(0.02)
