@@ -277,6 +277,10 @@ class SlotKeeper:
 
     def _note_timings(self, flow: http.HTTPFlow, route: Route, timings: Timings | None) -> None:
         metrics.timings(route.upstream, timings)
+        info = self.router.upstreams.peek(route.upstream) if self.router is not None else None
+        if timings is not None and info is not None:
+            info.client.costs.answered(timings.prompt_n, timings.prompt_ms,
+                                       timings.predicted_n, timings.predicted_ms)
         if timings is not None:
             flow.metadata[SUMMARY_KEY].update(reused=timings.cache_n, prefilled=timings.prompt_n)
 

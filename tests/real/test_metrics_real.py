@@ -4,6 +4,7 @@ what the run did, as the client saw it. GET /metrics is llama-server's own, pass
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from testbed import REPO, long_system_prompt
 
 from slotkeeper.observe import metrics
 from slotkeeper.snapshots.slotfiles import SlotFolder
+from slotkeeper.upstream import costs
 
 TIMEOUT_S = 600
 
@@ -288,3 +290,52 @@ def test_llama_servers_own_metrics_pass_through_unchanged(make_llama, make_proxy
     assert "slotkeeper_" not in through.text
     ours = requests.get(proxy.url + "/slotkeeper/metrics", timeout=30)
     assert ours.status_code == 200 and "slotkeeper_requests_total" in ours.text
+
+
+def ema(samples: list[float]) -> float | None:
+    """upstream/costs.py's moving average of `samples`, in order."""
+    out = None
+    for sample in samples:
+        out = sample if out is None else out + costs.ALPHA * (sample - out)
+    return out
+
+
+SAVED_LINE = re.compile(r"saved \S+ from slot \d+: (\d+) tokens, (\d+) bytes in (\d+) ms")
+
+
+def test_measured_costs_follow_the_servers_own_figures(make_llama, make_proxy, tmp_path):
+    """Issue #31: the prefill and decode speeds slotkeeper shows (/slotkeeper/metrics and
+    `slotkeeper status --json`) are the moving average of llama-server's own timings in the
+    answers; KV bytes a token and save speed those of the saves the log reports."""
+    server, proxy, slots = handover_proxy(make_llama, make_proxy, tmp_path)
+    a = Chat("a", long_system_prompt(300, seed=1))
+    b = Chat("b", long_system_prompt(300, seed=2))
+    responses = [a.ask(proxy.url, "hi"), b.ask(proxy.url, "hi"), a.ask(proxy.url, "more"),
+                 b.ask(proxy.url, "more")]
+    assert [t["action"] for t in responses] == ["assigned", "assigned", "restored", "restored"]
+    prefill = ema([t["prompt_n"] / t["prompt_ms"] * 1000 for t in responses
+                   if t["prompt_n"] >= costs.MIN_PREFILL_TOKENS])
+    decode = ema([t["predicted_n"] / t["predicted_ms"] * 1000 for t in responses
+                  if t["predicted_n"] >= costs.MIN_DECODE_TOKENS])
+    m = scrape(proxy.url)
+    up = server.url
+    assert value(m, "slotkeeper_prefill_tokens_per_second", upstream=up) == pytest.approx(
+        prefill, rel=1e-3)
+    assert value(m, "slotkeeper_decode_tokens_per_second", upstream=up) == pytest.approx(
+        decode, rel=1e-3)
+    saves = [(int(n), int(size), int(ms)) for n, size, ms in SAVED_LINE.findall(
+        proxy.log_text())]
+    assert len(saves) >= 2, proxy.log_text()[-2000:]
+    per_token = [size / n for n, size, _ in saves]
+    kv = value(m, "slotkeeper_kv_bytes_per_token", upstream=up)
+    assert min(per_token) * 0.999 <= kv <= max(per_token) * 1.001, (kv, per_token)
+    save_rate = value(m, "slotkeeper_save_bytes_per_second", upstream=up)
+    assert min(size / (ms + 0.5) for _, size, ms in saves) * 1000 <= save_rate <= max(
+        size / max(ms - 0.5, 0.01) for _, size, ms in saves) * 1000, (save_rate, saves)
+    assert value(m, "slotkeeper_restore_bytes_per_second", upstream=up) > 0
+    # The session API (what `slotkeeper status` shows) gives the same figures.
+    current = requests.get(proxy.url + "/api/sessions/current", timeout=30).json()
+    shown = current["upstreams"][up]["costs"]
+    assert shown["prefill_tokens_per_s"] == pytest.approx(prefill, rel=1e-3)
+    assert shown["kv_bytes_per_token"] == pytest.approx(kv, rel=1e-3)
+    assert shown["samples"] >= len(responses)

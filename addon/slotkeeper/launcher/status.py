@@ -180,7 +180,7 @@ def merge(current: dict, check_upstreams: bool) -> list[dict[str, Any]]:
                     "reachable": live is not None if check_upstreams else None,
                     "error": error if check_upstreams else None,
                     "slot_count": len(live) if live is not None else None,
-                    "owned": len(claimed), "slots": slots,
+                    "owned": len(claimed), "slots": slots, "costs": up.get("costs"),
                     "draining": bool(up.get("draining")), "pool": bool(up.get("pool"))})
     return out
 
@@ -268,6 +268,8 @@ def render(report: Report) -> str:
                          num(s["tokens"] if s["tokens"] is not None else s["live_tokens"]),
                          num(s["saved_tokens"] or None), age(s["last_used"], now)])
         lines += table(rows, right={4, 5}) if len(rows) > 1 else ["  (no slots known)"]
+        if up.get("costs"):
+            lines.append(measured_costs(up["costs"]))
     lines.append("")
     if report.sessions is None:
         lines.append(f"Saved sessions: not listed ({report.sessions_note})")
@@ -284,6 +286,24 @@ def render(report: Report) -> str:
         if len(rows) > 1:
             lines += table(rows, right={2, 3})
     return "\n".join(lines) + "\n"
+
+
+# (label, key of the upstream's "costs", unit): token rates as counts, byte ones as sizes.
+MEASURED = (("prefill", "prefill_tokens_per_s", " tokens/s"),
+            ("decode", "decode_tokens_per_s", " tokens/s"),
+            ("save", "save_bytes_per_s", "/s"), ("restore", "restore_bytes_per_s", "/s"),
+            ("KV", "kv_bytes_per_token", "/token"))
+
+
+def measured_costs(costs: dict) -> str:
+    """One line of what the server costs, as slotkeeper measured it (issue #31)."""
+    said = []
+    for label, key, unit in MEASURED:
+        value = costs.get(key)
+        if isinstance(value, (int, float)):
+            amount = num(round(value)) if unit == " tokens/s" else size(int(value))
+            said.append(f"{label} {amount}{unit}")
+    return "  Measured: " + (", ".join(said) if said else "nothing yet")
 
 
 def _resident_at(res: dict | None) -> str:

@@ -41,7 +41,9 @@ class SessionAdmin:
                     "file": None if meta is None else {"tokens": meta.n_tokens,
                                                        "bytes": meta.size_bytes},
                 }
+            info = self.router.upstreams.peek(url)
             out[url] = {"slots": slots, "draining": up.draining,
+                        **({"costs": info.client.costs.rates().as_dict()} if info else {}),
                         **({"model": split_key(url)[1]} if split_key(url)[1] else {}),
                         **({"pool": True, "up": self.router.upstreams.get(url).healthy}
                            if url in pool else {})}

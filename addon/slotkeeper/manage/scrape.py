@@ -26,6 +26,24 @@ log = logging.getLogger("slotkeeper.metrics")
 PATH = METRICS_PATH
 
 
+# What each server costs, measured from its answers and slot calls (upstream/costs.py, #31).
+MEASURED_RATES = (
+    ("prefill_tokens_per_s", "Measured prefill speed (tokens/s, moving average), per upstream."),
+    ("decode_tokens_per_s", "Measured generation speed (tokens/s, moving average), per "
+                            "upstream."),
+    ("save_bytes_per_s", "Measured slot save speed (bytes/s of n_written over save_ms), per "
+                         "upstream."),
+    ("restore_bytes_per_s", "Measured slot restore speed (bytes/s of n_read over "
+                            "restore_ms), per upstream."),
+    ("kv_bytes_per_token", "Measured size of a saved slot per token (bytes), per upstream."),
+)
+
+
+
+def _metric_name(rate: str) -> str:
+    return "slotkeeper_" + rate.replace("_per_s", "_per_second")
+
+
 class LiveGauges:
     """Gauges read when scraped: slots per upstream from the state file, files and bytes in
     the slot folder, the current prefill speed estimate. `keeper`: the SlotKeeper whose router
@@ -96,6 +114,26 @@ class LiveGauges:
         return [owned, resident, total, speed, files, size, member_up, draining, session_server]
 
 
+class MeasuredCosts:
+    """What each server costs, as its answers and slot calls measured it (issue #31)."""
+
+    keeper: Any = None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        router = self.keeper.router if self.keeper is not None else None
+        families = {name: GaugeMetricFamily(_metric_name(name), doc, labels=["upstream"])
+                    for name, doc in MEASURED_RATES}
+        for url, info in router.upstreams.known() if router is not None else ():
+            rates = info.client.costs.rates().as_dict()
+            for name, family in families.items():
+                if rates[name] is not None:
+                    family.add_metric([url], rates[name])
+        return list(families.values())
+
+
 class SessionModels:
     """Behind a router or llama-swap (issue #22), the model each claimed session is on."""
 
@@ -124,7 +162,8 @@ def session_models(router: Any) -> GaugeMetricFamily:
     return family
 
 
-GAUGES = (("live", LiveGauges), ("session_models", SessionModels))
+GAUGES = (("live", LiveGauges), ("session_models", SessionModels),
+          ("measured_costs", MeasuredCosts))
 for _name, _make in GAUGES:  # registered from the start: empty until a keeper is bound
     metrics.collector(_name, _make)
 

@@ -107,7 +107,7 @@ class Snapshots:
         folder.commit_saved(owner, saving)
         now = self.clock()
         size = folder.state_path(owner).stat().st_size
-        metrics.slot_op("save", seconds=save_ms / 1000, nbytes=size, tokens=n_saved)
+        _count_save(client, size, n_saved, save_ms)
         folder.secure(owner)
         folder.write_meta(SessionMeta(
             session_id=owner, kind=kind, file_name=file_name_for(owner),
@@ -156,8 +156,7 @@ class Snapshots:
                 return 0
             restored = int(answer.get("n_restored", 0))
             ms = (time.monotonic() - t0) * 1000
-            metrics.slot_op("restore", seconds=ms / 1000, nbytes=answer.get("n_read"),
-                            tokens=restored)
+            _count_restore(client, answer, restored, ms)
             notes.append(f"restored {what + ' of ' if what else ''}{restored:,} tokens in "
                          f"{ms:.0f} ms")
             self._touch_locked(snapshot)
@@ -185,6 +184,20 @@ class Snapshots:
             return False
         with lock:
             return self.folder.delete(snapshot)
+
+
+def _count_save(client: Upstream, size: int, n_saved: int, save_ms: float) -> None:
+    """A save in the metrics and in the server's measured costs."""
+    metrics.slot_op("save", seconds=save_ms / 1000, nbytes=size, tokens=n_saved)
+    client.costs.saved(size, n_saved, save_ms)
+
+
+def _count_restore(client: Upstream, answer: dict, restored: int, ms: float) -> None:
+    """A restore in the metrics and in the server's measured costs, which take the server's
+    own restore_ms (the wall time `ms` includes waiting for the slot)."""
+    metrics.slot_op("restore", seconds=ms / 1000, nbytes=answer.get("n_read"), tokens=restored)
+    client.costs.restored(_number(answer.get("n_read"), 0), restored,
+                          _number((answer.get("timings") or {}).get("restore_ms"), ms))
 
 
 def _number(value: object, default: float) -> float:

@@ -15,6 +15,7 @@ import requests
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from ..decisions.choice import SlotView
+from .costs import Costs
 
 log = logging.getLogger("slotkeeper")
 
@@ -115,6 +116,8 @@ class Upstream:
         # Set when save/restore/erase answered 501 (no --slot-save-path); reset when the
         # server is verified again (it may come back with the flag).
         self.slot_actions_disabled = False
+        # What this server costs, measured from its answers and slot calls (issue #31).
+        self.costs = Costs()
 
     @property
     def _http(self) -> requests.Session:

@@ -229,6 +229,7 @@ class Timings:
     prompt_n: int  # prompt tokens prefilled
     predicted_n: int
     prompt_ms: float
+    predicted_ms: float = 0.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -251,6 +252,7 @@ def timings_from(obj: object, earlier: Timings | None = None) -> Timings | None:
                 prompt_n=int(t.get("prompt_n", 0)),
                 predicted_n=int(t.get("predicted_n", 0)),
                 prompt_ms=float(t.get("prompt_ms", 0.0)),
+                predicted_ms=float(t.get("predicted_ms", 0.0)),
             )
         usage = _usage_in(obj)
         return None if usage is None else _timings_from_usage(usage, earlier)

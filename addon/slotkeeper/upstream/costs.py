@@ -1,0 +1,92 @@
+"""What one llama-server (one model of it) costs, measured from its own answers (issue #31).
+
+Running estimates, each an exponential moving average of the server's own figures:
+
+- prefill tokens/s: `timings.prompt_n / prompt_ms` of answers that prefilled enough tokens;
+- decode tokens/s: `timings.predicted_n / predicted_ms` of answers that generated enough;
+- save and restore bytes/s: a slot call's `n_written` (`n_read`) over its `save_ms`
+  (`restore_ms`), for calls that moved enough bytes to be more than the call's overhead;
+- KV bytes a token: those calls' bytes over their tokens.
+
+A few tokens or bytes are dominated by per-call overhead, not by the rate being measured, so
+they are not counted (the minimums below). Nothing here does I/O; the upstream client holds one
+per server and every room that learns a figure reports it. Thread-safe."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+ALPHA = 0.2  # weight of the newest sample: the last ~10 samples dominate
+MIN_PREFILL_TOKENS = 32
+MIN_DECODE_TOKENS = 8
+MIN_SLOT_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The current estimates; None until measured. `samples`: answers and slot calls counted."""
+
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    save_bytes_per_s: float | None = None
+    restore_bytes_per_s: float | None = None
+    kv_bytes_per_token: float | None = None
+    samples: int = 0
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {key: (round(value, 3) if isinstance(value, float) else value)
+                for key, value in asdict(self).items()}
+
+
+class Costs:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rates = Rates()
+
+    def rates(self) -> Rates:
+        return self._rates
+
+    def answered(self, prompt_n: int, prompt_ms: float, predicted_n: int,
+                 predicted_ms: float) -> None:
+        """An answer's own timings."""
+        prefill = _rate(prompt_n, prompt_ms / 1000, MIN_PREFILL_TOKENS)
+        decode = _rate(predicted_n, predicted_ms / 1000, MIN_DECODE_TOKENS)
+        if prefill is not None or decode is not None:
+            self._update(prefill_tokens_per_s=prefill, decode_tokens_per_s=decode)
+
+    def saved(self, nbytes: int, tokens: int, ms: float) -> None:
+        """A save's `n_written`, `n_saved` and `save_ms`."""
+        self._update(save_bytes_per_s=_rate(nbytes, ms / 1000, MIN_SLOT_BYTES),
+                     kv_bytes_per_token=_per_token(nbytes, tokens))
+
+    def restored(self, nbytes: int | float, tokens: int, ms: float) -> None:
+        """A restore's `n_read`, `n_restored` and `restore_ms`."""
+        self._update(restore_bytes_per_s=_rate(nbytes, ms / 1000, MIN_SLOT_BYTES),
+                     kv_bytes_per_token=_per_token(nbytes, tokens))
+
+    def _update(self, **samples: float | None) -> None:
+        counted = {k: v for k, v in samples.items() if v is not None}
+        if not counted:
+            return
+        with self._lock:
+            now = asdict(self._rates)
+            for key, sample in counted.items():
+                old = now[key]
+                now[key] = sample if old is None else old + ALPHA * (sample - old)
+            now["samples"] += 1
+            self._rates = Rates(**now)
+
+
+def _rate(amount: int | float, seconds: float, minimum: int) -> float | None:
+    if not isinstance(amount, (int, float)) or not isinstance(seconds, (int, float)):
+        return None
+    if amount < minimum or not 0 < seconds < float("inf"):
+        return None
+    return amount / seconds
+
+
+def _per_token(nbytes: int | float, tokens: int) -> float | None:
+    if not isinstance(nbytes, (int, float)) or not isinstance(tokens, int) or tokens <= 0:
+        return None
+    return nbytes / tokens if nbytes >= MIN_SLOT_BYTES else None

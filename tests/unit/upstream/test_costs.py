@@ -1,0 +1,59 @@
+"""The measured costs of a server (upstream/costs.py, issue #31): moving averages of the
+server's own figures, with samples too small to measure a rate left out."""
+
+from __future__ import annotations
+
+import pytest
+
+from slotkeeper.upstream.costs import (ALPHA, MIN_DECODE_TOKENS, MIN_PREFILL_TOKENS,
+                                       MIN_SLOT_BYTES, Costs)
+
+
+def test_nothing_is_known_before_a_measurement():
+    rates = Costs().rates()
+    assert rates.prefill_tokens_per_s is None and rates.save_bytes_per_s is None
+    assert rates.samples == 0
+    assert set(rates.as_dict()) == {"prefill_tokens_per_s", "decode_tokens_per_s",
+                                    "save_bytes_per_s", "restore_bytes_per_s",
+                                    "kv_bytes_per_token", "samples"}
+
+
+def test_answers_give_prefill_and_decode_speeds_as_a_moving_average():
+    costs = Costs()
+    costs.answered(prompt_n=300, prompt_ms=2000, predicted_n=10, predicted_ms=500)
+    assert costs.rates().prefill_tokens_per_s == pytest.approx(150)
+    assert costs.rates().decode_tokens_per_s == pytest.approx(20)
+    costs.answered(prompt_n=400, prompt_ms=2000, predicted_n=20, predicted_ms=500)
+    assert costs.rates().prefill_tokens_per_s == pytest.approx(150 + ALPHA * (200 - 150))
+    assert costs.rates().decode_tokens_per_s == pytest.approx(20 + ALPHA * (40 - 20))
+    assert costs.rates().samples == 2
+
+
+def test_small_answers_and_zero_times_measure_nothing():
+    costs = Costs()
+    costs.answered(prompt_n=MIN_PREFILL_TOKENS - 1, prompt_ms=10, predicted_n=1,
+                   predicted_ms=10)
+    costs.answered(prompt_n=500, prompt_ms=0, predicted_n=MIN_DECODE_TOKENS, predicted_ms=0)
+    assert costs.rates() == Costs().rates()
+
+
+def test_slot_calls_give_bytes_per_second_and_bytes_per_token():
+    costs = Costs()
+    costs.saved(nbytes=20 * MIN_SLOT_BYTES, tokens=1000, ms=10)
+    rates = costs.rates()
+    assert rates.save_bytes_per_s == pytest.approx(20 * MIN_SLOT_BYTES / 0.010)
+    assert rates.kv_bytes_per_token == pytest.approx(20 * MIN_SLOT_BYTES / 1000)
+    costs.restored(nbytes=10 * MIN_SLOT_BYTES, tokens=500, ms=20.0)
+    rates = costs.rates()
+    assert rates.restore_bytes_per_s == pytest.approx(10 * MIN_SLOT_BYTES / 0.020)
+    assert rates.kv_bytes_per_token == pytest.approx(20 * MIN_SLOT_BYTES / 1000)  # the same
+    assert rates.save_bytes_per_s == pytest.approx(20 * MIN_SLOT_BYTES / 0.010)  # unchanged
+
+
+def test_a_small_slot_call_is_overhead_not_a_rate():
+    costs = Costs()
+    costs.saved(nbytes=MIN_SLOT_BYTES - 1, tokens=10, ms=1)
+    costs.restored(nbytes=MIN_SLOT_BYTES * 2, tokens=0, ms=0)
+    assert costs.rates().save_bytes_per_s is None
+    assert costs.rates().kv_bytes_per_token is None
+    assert costs.rates().restore_bytes_per_s is None
