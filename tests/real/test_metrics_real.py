@@ -306,7 +306,7 @@ SAVED_LINE = re.compile(r"saved \S+ from slot \d+: (\d+) tokens, (\d+) bytes in 
 def test_measured_costs_follow_the_servers_own_figures(make_llama, make_proxy, tmp_path):
     """Issue #31: the prefill and decode speeds slotkeeper shows (/slotkeeper/metrics and
     `slotkeeper status --json`) are the moving average of llama-server's own timings in the
-    answers; KV bytes a token and save speed those of the saves the log reports."""
+    answers; a slot file's size line and the save speed those of the saves the log reports."""
     server, proxy, slots = handover_proxy(make_llama, make_proxy, tmp_path)
     a = Chat("a", long_system_prompt(300, seed=1))
     b = Chat("b", long_system_prompt(300, seed=2))
@@ -326,9 +326,12 @@ def test_measured_costs_follow_the_servers_own_figures(make_llama, make_proxy, t
     saves = [(int(n), int(size), int(ms)) for n, size, ms in SAVED_LINE.findall(
         proxy.log_text())]
     assert len(saves) >= 2, proxy.log_text()[-2000:]
-    per_token = [size / n for n, size, _ in saves]
+    # The restores read back the files these saves wrote: the same points of the size line.
+    per_token, fixed = costs.size_line([(n, float(size)) for n, size, _ in saves])
     kv = value(m, "slotkeeper_kv_bytes_per_token", upstream=up)
-    assert min(per_token) * 0.999 <= kv <= max(per_token) * 1.001, (kv, per_token)
+    assert kv == pytest.approx(per_token, rel=0.01), (kv, saves)
+    assert value(m, "slotkeeper_slot_fixed_bytes", upstream=up) == pytest.approx(
+        fixed, rel=0.01, abs=1024)
     save_rate = value(m, "slotkeeper_save_bytes_per_second", upstream=up)
     assert min(size / (ms + 0.5) for _, size, ms in saves) * 1000 <= save_rate <= max(
         size / max(ms - 0.5, 0.01) for _, size, ms in saves) * 1000, (save_rate, saves)

@@ -292,7 +292,7 @@ def render(report: Report) -> str:
 MEASURED = (("prefill", "prefill_tokens_per_s", " tokens/s"),
             ("decode", "decode_tokens_per_s", " tokens/s"),
             ("save", "save_bytes_per_s", "/s"), ("restore", "restore_bytes_per_s", "/s"),
-            ("KV", "kv_bytes_per_token", "/token"))
+            ("KV", "kv_bytes_per_token", "/token"), ("plus", "slot_fixed_bytes", " a file"))
 
 
 def measured_costs(costs: dict) -> str:
@@ -301,7 +301,7 @@ def measured_costs(costs: dict) -> str:
     for label, key, unit in MEASURED:
         value = costs.get(key)
         if isinstance(value, (int, float)):
-            amount = num(round(value)) if unit == " tokens/s" else size(int(value))
+            amount = num(round(value)) if unit == " tokens/s" else size(round(value))
             said.append(f"{label} {amount}{unit}")
     return "  Measured: " + (", ".join(said) if said else "nothing yet")
 

@@ -35,7 +35,10 @@ MEASURED_RATES = (
                          "upstream."),
     ("restore_bytes_per_s", "Measured slot restore speed (bytes/s of n_read over "
                             "restore_ms), per upstream."),
-    ("kv_bytes_per_token", "Measured size of a saved slot per token (bytes), per upstream."),
+    ("kv_bytes_per_token", "Measured bytes a token adds to a saved slot (the slope of the "
+                           "sizes of the latest saves and restores), per upstream."),
+    ("slot_fixed_bytes", "Measured bytes of a saved slot that do not grow with its tokens "
+                         "(that line at 0 tokens), per upstream."),
 )
 
 

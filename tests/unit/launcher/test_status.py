@@ -9,9 +9,10 @@ from slotkeeper.launcher.status import Report, measured_costs, render
 def test_measured_costs_in_one_line():
     line = measured_costs({"prefill_tokens_per_s": 152.4, "decode_tokens_per_s": 41.0,
                            "save_bytes_per_s": 2.5 * (1 << 30), "restore_bytes_per_s": None,
-                           "kv_bytes_per_token": 4900.0, "samples": 7})
+                           "kv_bytes_per_token": 3754.4, "slot_fixed_bytes": 4_853_374.0,
+                           "samples": 7})
     assert line == ("  Measured: prefill 152 tokens/s, decode 41 tokens/s, save 2.5 GiB/s, "
-                    "KV 4.8 KiB/token")
+                    "KV 3.7 KiB/token, plus 4.6 MiB a file")
     assert measured_costs({"samples": 0}) == "  Measured: nothing yet"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from slotkeeper.upstream.costs import (ALPHA, MIN_DECODE_TOKENS, MIN_PREFILL_TOKENS,
-                                       MIN_SLOT_BYTES, Costs)
+                                       MIN_SLOT_BYTES, Costs, size_line)
 
 
 def test_nothing_is_known_before_a_measurement():
@@ -15,7 +15,7 @@ def test_nothing_is_known_before_a_measurement():
     assert rates.samples == 0
     assert set(rates.as_dict()) == {"prefill_tokens_per_s", "decode_tokens_per_s",
                                     "save_bytes_per_s", "restore_bytes_per_s",
-                                    "kv_bytes_per_token", "samples"}
+                                    "kv_bytes_per_token", "slot_fixed_bytes", "samples"}
 
 
 def test_answers_give_prefill_and_decode_speeds_as_a_moving_average():
@@ -50,10 +50,23 @@ def test_slot_calls_give_bytes_per_second_and_bytes_per_token():
     assert rates.save_bytes_per_s == pytest.approx(20 * MIN_SLOT_BYTES / 0.010)  # unchanged
 
 
-def test_a_small_slot_call_is_overhead_not_a_rate():
+def test_a_small_slot_call_is_overhead_not_a_rate_but_its_size_counts():
     costs = Costs()
     costs.saved(nbytes=MIN_SLOT_BYTES - 1, tokens=10, ms=1)
-    costs.restored(nbytes=MIN_SLOT_BYTES * 2, tokens=0, ms=0)
+    costs.restored(nbytes=MIN_SLOT_BYTES * 2, tokens=0, ms=0)  # no tokens: no size either
     assert costs.rates().save_bytes_per_s is None
-    assert costs.rates().kv_bytes_per_token is None
     assert costs.rates().restore_bytes_per_s is None
+    assert costs.rates().kv_bytes_per_token == pytest.approx((MIN_SLOT_BYTES - 1) / 10)
+    assert costs.rates().slot_fixed_bytes == 0
+
+
+def test_the_size_of_a_slot_file_is_a_fixed_part_plus_a_cost_per_token():
+    """Two saves of the test model (measured: 330 tokens, 6,092,332 bytes; 4,528 tokens,
+    21,853,444 bytes): the ratio of the short one would say 18.5 KB a token."""
+    costs = Costs()
+    costs.saved(nbytes=6_092_332, tokens=330, ms=3)
+    costs.saved(nbytes=21_853_444, tokens=4528, ms=10)
+    per_token = (21_853_444 - 6_092_332) / (4528 - 330)
+    assert costs.rates().kv_bytes_per_token == pytest.approx(per_token)
+    assert costs.rates().slot_fixed_bytes == pytest.approx(6_092_332 - 330 * per_token)
+    assert size_line([(10, 100.0), (20, 50.0)]) == (None, None)  # no rise: nothing told
