@@ -300,7 +300,7 @@ def measured_costs(costs: dict) -> str:
     said = []
     for label, key, unit in MEASURED:
         value = costs.get(key)
-        if isinstance(value, (int, float)):
+        if isinstance(value, (int, float)) and value > 0:  # a fixed part of 0: one size known
             amount = num(round(value)) if unit == " tokens/s" else size(round(value))
             said.append(f"{label} {amount}{unit}")
     return "  Measured: " + (", ".join(said) if said else "nothing yet")

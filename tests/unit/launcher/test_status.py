@@ -14,6 +14,8 @@ def test_measured_costs_in_one_line():
     assert line == ("  Measured: prefill 152 tokens/s, decode 41 tokens/s, save 2.5 GiB/s, "
                     "KV 3.7 KiB/token, plus 4.6 MiB a file")
     assert measured_costs({"samples": 0}) == "  Measured: nothing yet"
+    assert measured_costs({"kv_bytes_per_token": 18_460.0, "slot_fixed_bytes": 0.0}) == (
+        "  Measured: KV 18.0 KiB/token")
 
 
 def test_an_upstream_shows_its_measured_costs_under_its_slots():
