@@ -276,6 +276,42 @@ def test_llama_server_killed_mid_stream_then_restarted(make_llama, make_proxy, s
         lost="the answer in flight (the client sees the error)")
 
 
+# ---- a save queued behind another slot's long prefill ------------------------------------------
+
+WAITED = re.compile(r"saved busy-b from slot \d+: \d+ tokens, \d+ bytes in \d+ ms \((\d+) ms with")
+
+
+def test_a_save_behind_another_slots_long_prefill_waits_and_the_server_stays_trusted(
+        make_llama, make_proxy, slot_dir, reliability):
+    """llama-server runs a save on its main loop between two batches: behind another slot's
+    4,000-token prefill it waits seconds. The fixed 5 s bound gave up and marked the healthy
+    server suspect, and the session was never saved (issue #31, #32 item 3). The bound now
+    counts a batch at the measured prefill speed, and a timeout while a slot computes never
+    marks the server suspect."""
+    server = make_llama(np=2, ctx=16384, slot_save_path=slot_dir)
+    proxy = make_proxy(server, slotkeeper_slot_dir=str(slot_dir), **SAVE_FAST)
+    b = Session("busy-b", system=long_system_prompt(250, seed=3))
+    assert b.ask(proxy.url, "Name a prime.").status == 200  # measures the prefill speed too
+    a = Session("busy-a", system=long_system_prompt(3000, seed=4))  # ~4,000 tokens
+    answers: list[Answer] = []
+    started = time.time()
+    long_turn = threading.Thread(target=lambda: answers.append(a.ask(proxy.url, "Summarize.")))
+    long_turn.start()  # b's idle save comes a second later, behind a's first batch
+    meta = wait_saved(slot_dir, b.sid, newer_than=started, timeout=120)
+    long_turn.join(600)
+    assert answers and answers[0].status == 200 and answers[0].timings["prompt_n"] > 3000
+    log = proxy.log_text()
+    waited = [int(ms) for ms in WAITED.findall(log)]
+    assert waited and max(waited) > 5000, (waited, log[-3000:])  # past the old fixed bound
+    assert "no answer in" not in log and "marked suspect" not in log, log[-3000:]
+    assert meta["n_tokens"] >= b.answers[0].prompt_tokens
+    clean(proxy, server)
+    reliability.row("a save queued behind another slot's 4,000-token prefill (real server)",
+                    outcome=f"the save waited {max(waited) / 1000:.1f} s and was kept; the "
+                            f"server was not marked suspect",
+                    lost="none")
+
+
 # ---- a restart faster than the health poll (fake) ---------------------------------------------
 
 def test_fake_restart_between_two_health_polls_is_noticed_before_the_next_turn(

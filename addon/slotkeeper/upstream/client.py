@@ -37,23 +37,34 @@ class Unauthorized(UpstreamError):
 
 
 class SlotCallTimeout(UpstreamError):
-    """A save/restore/erase got no answer within its size's bound: the server is hung (or far
-    slower than any disk): go on without that snapshot."""
+    """A save/restore/erase got no answer within its bound: go on without that snapshot. The
+    server is marked suspect only when it is not busy computing (then it may be hung)."""
 
 
 UPSTREAM_KEY_OPTION = "slotkeeper_upstream_api_key"
 UPSTREAM_KEY_ENV = "SLOTKEEPER_UPSTREAM_API_KEY"
-# A slot call is bounded by its size: a fixed allowance (connecting, the server's queue, a
-# small file) plus the bytes at the slowest rate a working disk writes or reads them. Measured
-# here: a 14 MB snapshot saves in ~7 ms and restores in ~5 ms (2-3 GB/s); 50 MB/s is a slow
-# network disk, 40x below that. A 2 GB snapshot of a large model gets 5 + 41 s.
+# A slot call is bounded by what it has to do (issue #31): a fixed allowance (connecting, a
+# small file), its bytes at the slower of 50 MB/s (a slow network disk: measured here, a 14 MB
+# snapshot saves in ~7 ms, 2-3 GB/s) and a quarter of the rate measured on this server (a slow
+# disk or a FUSE folder is slower than any floor), and what the server may be busy with: it
+# runs slot calls on its main loop between two batches, so behind another slot's prefill a
+# call waits up to one batch (llama-server's default -b, 2048 tokens), counted twice over at
+# the measured prefill speed (a long prompt's batches run slower than the short answers that
+# measured it). A 2 GB snapshot of a large model on a GPU: 5 + 41 + ~1 s.
 SLOT_CALL_BASE_S = 5.0
 SLOT_IO_FLOOR_BYTES_PER_S = 50 * 1024 * 1024
+BATCH_TOKENS = 2048
 
 
-def slot_call_timeout(nbytes: int) -> float:
-    """Seconds to wait for a save or restore of about `nbytes` (0: unknown, the base)."""
-    return SLOT_CALL_BASE_S + max(nbytes, 0) / SLOT_IO_FLOOR_BYTES_PER_S
+def slot_call_timeout(nbytes: int, io_bytes_per_s: float | None = None,
+                      prefill_tokens_per_s: float | None = None) -> float:
+    """Seconds to wait for a save or restore of about `nbytes` (0: unknown) on a server whose
+    measured slot I/O and prefill speeds are given (None: not measured yet)."""
+    rate = SLOT_IO_FLOOR_BYTES_PER_S
+    if io_bytes_per_s:
+        rate = min(rate, io_bytes_per_s / 4)
+    busy = 2 * BATCH_TOKENS / prefill_tokens_per_s if prefill_tokens_per_s else 0.0
+    return SLOT_CALL_BASE_S + max(nbytes, 0) / rate + busy
 
 
 def unauthorized_message(url: str) -> str:
@@ -223,10 +234,13 @@ class Upstream:
         except requests.Timeout:
             if timeout is None:
                 raise UpstreamError(f"POST {path}: Timeout") from None
-            if self.on_hang is not None:
+            busy = self.busy()
+            if not busy and self.on_hang is not None:
                 self.on_hang()
-            raise SlotCallTimeout(f"POST {path}: no answer in {timeout:.0f} s (the bound for "
-                                  f"its size): server marked suspect") from None
+            raise SlotCallTimeout(
+                f"POST {path}: no answer in {timeout:.0f} s (the bound for its size and this "
+                f"server's speed): " + ("the server is busy computing, not suspect" if busy
+                                        else "server marked suspect")) from None
         except requests.RequestException as e:
             raise UpstreamError(f"POST {path}: {type(e).__name__}") from None
         if r.status_code == 401:
@@ -245,16 +259,28 @@ class Upstream:
         return data
 
     def save(self, slot: int, filename: str, expected_bytes: int = 0) -> dict[str, Any]:
+        rates = self.costs.rates()
         return self.post_json(f"/slots/{int(slot)}?action=save", {"filename": filename},
-                              timeout=slot_call_timeout(expected_bytes))
+                              timeout=slot_call_timeout(expected_bytes, rates.save_bytes_per_s,
+                                                        rates.prefill_tokens_per_s))
 
     def restore(self, slot: int, filename: str, nbytes: int = 0) -> dict[str, Any]:
+        rates = self.costs.rates()
         return self.post_json(f"/slots/{int(slot)}?action=restore", {"filename": filename},
-                              timeout=slot_call_timeout(nbytes))
+                              timeout=slot_call_timeout(nbytes, rates.restore_bytes_per_s,
+                                                        rates.prefill_tokens_per_s))
 
     def erase(self, slot: int) -> dict[str, Any]:
-        return self.post_json(f"/slots/{int(slot)}?action=erase", {},
-                              timeout=slot_call_timeout(0))
+        return self.post_json(f"/slots/{int(slot)}?action=erase", {}, timeout=slot_call_timeout(
+            0, prefill_tokens_per_s=self.costs.rates().prefill_tokens_per_s))
+
+    def busy(self) -> bool:
+        """Is a slot computing (a prefill or a generation)? Then a slot call that waits is
+        queued behind it, not lost in a hung server. False when /slots does not answer."""
+        try:
+            return any(view.is_processing for view in self.slots())
+        except UpstreamError:
+            return False
 
     def healthy(self) -> bool:
         try:

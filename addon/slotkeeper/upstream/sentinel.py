@@ -1,8 +1,9 @@
 """A restarted llama-server noticed the moment it goes, at no cost to any request (issue #32).
 
 One keep-alive connection to each server, watched all the time and probed with `GET /health`
-every 2 s, so that the server never closes it as idle (cpp-httplib does after 5 s). A server process that dies closes it at once, however fast it comes back:
-the connection ending without the server saying so (`Connection: close`, which cpp-httplib
+every 2 s, so that the server never closes it as idle (cpp-httplib does after 5 s). A server
+process that dies closes it at once, however fast it comes back: the connection ending
+without the server saying so (`Connection: close`, which cpp-httplib
 sends on the last answer a connection may carry) means the server may be a new one, with
 empty slots. The health poll alone missed a restart that fell between two polls (a kept turn
 then went to an empty slot and was prefilled in full, its snapshot unused).

@@ -1,10 +1,12 @@
 """The measured costs of a server (upstream/costs.py, issue #31): moving averages of the
-server's own figures, with samples too small to measure a rate left out."""
+server's own figures, with samples too small to measure a rate left out; and the bound of a
+slot call that follows them (upstream/client.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from slotkeeper.upstream.client import BATCH_TOKENS, SLOT_CALL_BASE_S, slot_call_timeout
 from slotkeeper.upstream.costs import (ALPHA, MIN_DECODE_TOKENS, MIN_PREFILL_TOKENS,
                                        MIN_SLOT_BYTES, Costs, size_line)
 
@@ -70,3 +72,17 @@ def test_the_size_of_a_slot_file_is_a_fixed_part_plus_a_cost_per_token():
     assert costs.rates().kv_bytes_per_token == pytest.approx(per_token)
     assert costs.rates().slot_fixed_bytes == pytest.approx(6_092_332 - 330 * per_token)
     assert size_line([(10, 100.0), (20, 50.0)]) == (None, None)  # no rise: nothing told
+
+
+def test_a_slot_calls_bound_follows_its_bytes_and_the_servers_measured_speeds():
+    """Issue #31: 5 s, plus the bytes at the slower of 50 MB/s and a quarter of the measured
+    rate, plus two batches of another slot's prefill at the measured prefill speed."""
+    mib = 1024 * 1024
+    assert slot_call_timeout(0) == SLOT_CALL_BASE_S
+    assert slot_call_timeout(100 * mib) == pytest.approx(SLOT_CALL_BASE_S + 2)  # 50 MB/s
+    # A fast disk measured: the floor still bounds it; a slow one: a quarter of its rate.
+    assert slot_call_timeout(100 * mib, io_bytes_per_s=2e9) == pytest.approx(SLOT_CALL_BASE_S + 2)
+    assert slot_call_timeout(20 * mib, io_bytes_per_s=5 * mib) == pytest.approx(
+        SLOT_CALL_BASE_S + 16)
+    assert slot_call_timeout(0, prefill_tokens_per_s=200) == pytest.approx(
+        SLOT_CALL_BASE_S + 2 * BATCH_TOKENS / 200)
