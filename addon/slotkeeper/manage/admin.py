@@ -41,7 +41,8 @@ class SessionAdmin:
                     "file": None if meta is None else {"tokens": meta.n_tokens,
                                                        "bytes": meta.size_bytes},
                 }
-            info = self.router.upstreams.peek(url)
+            known = getattr(self.router, "upstreams", None)  # none when read from the files
+            info = known.peek(url) if known is not None else None
             out[url] = {"slots": slots, "draining": up.draining,
                         **({"costs": info.client.costs.rates().as_dict()} if info else {}),
                         **({"model": split_key(url)[1]} if split_key(url)[1] else {}),
