@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import requests
+import urllib3
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from ..decisions.choice import SlotView
@@ -139,11 +140,25 @@ class Upstream:
                 session.headers["Authorization"] = f"Bearer {self.api_key}"
         return session
 
+    def _send(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+        """One request on this thread's kept-alive connection, sent once more on a fresh one
+        when the server closed the old one as it was reused: llama-server drops a connection
+        idle for 5 s (cpp-httplib's keep-alive timeout), and a request sent in that instant
+        meets a closed socket, which requests never retries for a POST (a slot save failed so
+        in CI). Every call here may be repeated: reads, and slot actions on one file."""
+        url = self.base_url + path
+        try:
+            return self._http.request(method, url, **kwargs)
+        except requests.ConnectionError as e:
+            if not _dropped_on_reuse(e):
+                raise
+        return self._http.request(method, url, **kwargs)
+
     def _get(self, path: str, optional: bool = False) -> Any:
         """GET one of the server's endpoints, its JSON. `optional`: an endpoint some servers
         do not have, None for its 404/501 (not there is stable; any other failure raises)."""
         try:
-            r = self._http.get(self.base_url + path, timeout=self.timeout)
+            r = self._send("GET", path, timeout=self.timeout)
         except requests.RequestException as e:
             raise UpstreamError(f"GET {path}: {type(e).__name__}") from None
         if optional and r.status_code in (404, 501):
@@ -229,8 +244,8 @@ class Upstream:
         """POST to one of the server's own endpoints (templates, a prefill), waiting as long
         as an admin call may (or `timeout`: a slot call's bound)."""
         try:
-            r = self._http.post(self.base_url + path, json=body,
-                                timeout=self.admin_timeout if timeout is None else timeout)
+            r = self._send("POST", path, json=body,
+                           timeout=self.admin_timeout if timeout is None else timeout)
         except requests.Timeout:
             if timeout is None:
                 raise UpstreamError(f"POST {path}: Timeout") from None
@@ -284,7 +299,7 @@ class Upstream:
 
     def healthy(self) -> bool:
         try:
-            r = self._http.get(self.base_url + "/health", timeout=self.timeout)
+            r = self._send("GET", "/health", timeout=self.timeout)
         except requests.RequestException:
             return False
         return r.status_code == 200
@@ -298,12 +313,19 @@ class Upstream:
     def post_text(self, path: str) -> str:
         """POST without a body to an endpoint that answers text (llama-swap's unload)."""
         try:
-            r = self._http.post(self.base_url + path, timeout=self.admin_timeout)
+            r = self._send("POST", path, timeout=self.admin_timeout)
         except requests.RequestException as e:
             raise UpstreamError(f"POST {path}: {type(e).__name__}") from None
         if r.status_code != 200:
             raise UpstreamError(f"POST {path}: HTTP {r.status_code} {r.text[:200]}")
         return r.text
+
+
+def _dropped_on_reuse(error: requests.ConnectionError) -> bool:
+    """The connection was closed under a request (reset, or closed before any answer), not
+    refused or timed out: a dead server refuses the fresh connection of the second try."""
+    cause = error.args[0] if error.args else None
+    return isinstance(cause, urllib3.exceptions.ProtocolError)
 
 
 def _int(value: object) -> int:
