@@ -83,3 +83,16 @@ ensure_chromium() {
     echo "chromium is missing: the mitmweb screenshot test will fail (sudo apt-get install chromium)" >&2
   fi
 }
+
+ensure_fuse() {
+  # The throttled slot folder of the test bed at real cost ratios (tests/bed/throttlefs.py,
+  # issue #31) mounts with libfuse3's fusermount3. As root it is installed when missing;
+  # otherwise the tests that use it fail and say how to install it (never skipped).
+  command -v fusermount3 >/dev/null && return 0
+  if as_root && command -v apt-get >/dev/null; then
+    echo "installing fuse3 (apt-get) for the throttled slot folder" >&2
+    apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 >&2
+  else
+    echo "fuse3 is missing: the throttled-folder tests will fail (sudo apt-get install fuse3)" >&2
+  fi
+}

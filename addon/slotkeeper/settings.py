@@ -80,6 +80,11 @@ def _declare_storage(loader) -> None:
     loader.add_option("slotkeeper_idle_save_seconds", int, 5,
                       "Save a session that grew once it has been idle this long (0: never), "
                       "so a crash of llama-server loses at most the turn in flight.")
+    loader.add_option("slotkeeper_stall_budget_ms", int, 500,
+                      "A save that need not happen now (an idle or a periodic one) runs while "
+                      "another slot generates only if its predicted stall of the server, its "
+                      "bytes at the measured save speed, is at most this long; else it waits "
+                      "until no other slot generates. Handover and shutdown saves always run.")
     loader.add_option("slotkeeper_seed_min_chars", int, 2000,
                       "System prompts (plus tools) at least this long get a seed: their KV "
                       "saved once and restored into new sessions' slots.")
@@ -133,7 +138,7 @@ def check(opts) -> tuple[str, ...]:
                  "slotkeeper_min_save_tokens", "slotkeeper_idle_save_seconds",
                  "slotkeeper_seed_min_chars", "slotkeeper_max_seeds",
                  "slotkeeper_disk_max_mb", "slotkeeper_disk_max_age_hours",
-                 "slotkeeper_lock_timeout"):
+                 "slotkeeper_lock_timeout", "slotkeeper_stall_budget_ms"):
         if getattr(opts, name) < 0:
             raise exceptions.OptionsError(f"{name} must be 0 or more")
     for name in ("slotkeeper_slots_timeout_ms", "slotkeeper_save_every_tokens",
@@ -221,6 +226,7 @@ def router_config(opts, upstreams: tuple[str, ...]) -> RouterConfig:
         min_save_tokens=opts.slotkeeper_min_save_tokens,
         erase_on_handover=not opts.slotkeeper_keep_prefix,
         save_every_tokens=opts.slotkeeper_save_every_tokens,
+        stall_budget=opts.slotkeeper_stall_budget_ms / 1000,
         seed_min_chars=opts.slotkeeper_seed_min_chars,
         max_seeds=opts.slotkeeper_max_seeds,
         upstreams=upstreams,

@@ -117,7 +117,21 @@ class IdleSaves:
         self._timers.pop(key, None)
         self._ended.pop(key, None)
         if router is not None:
-            self._executor.submit(_logged, router.accounting.save_if_idle, key[0], key[1], ended)
+            loop = asyncio.get_running_loop()
+            self._executor.submit(self._save, loop, router, key, ended)
+
+    def _save(self, loop: asyncio.AbstractEventLoop, router, key: tuple[str, str],
+              ended: float) -> None:
+        """On a worker. A save put off (another slot generating, the stall over its budget)
+        is tried again an idle period later, unless the session came back meanwhile."""
+        if _logged(router.accounting.save_if_idle, key[0], key[1], ended) is None:
+            loop.call_soon_threadsafe(self._again, key, ended)
+
+    def _again(self, key: tuple[str, str], ended: float) -> None:
+        if key not in self._timers:
+            self._ended[key] = ended
+            self._timers[key] = asyncio.get_running_loop().call_later(
+                self.seconds, self._fired, key)
 
     def cancel_all(self) -> None:
         for timer in self._timers.values():
@@ -126,8 +140,9 @@ class IdleSaves:
         self._ended.clear()
 
 
-def _logged(func, *args) -> None:
+def _logged(func, *args):
     try:
-        func(*args)
+        return func(*args)
     except Exception:
         log.exception("background %s failed", getattr(func, "__name__", func))
+        return False

@@ -33,6 +33,7 @@ import requests
 from fake_upstream import FakeFaultyLlama, Fault
 from reliability import problems_in, reliability  # noqa: F401  (reliability: the fixture)
 from testbed import LlamaServer, Proxy, long_system_prompt
+from throttlefs import ThrottledFolder
 
 from slotkeeper.snapshots.paths import FILE_NAME_RE, file_name_for
 
@@ -311,6 +312,52 @@ def test_a_save_behind_another_slots_long_prefill_waits_and_the_server_stays_tru
     reliability.row("a save queued behind another slot's 4,000-token prefill (real server)",
                     outcome=f"the save waited {max(waited) / 1000:.1f} s and was kept; the "
                             f"server was not marked suspect",
+                    lost="none")
+
+
+# ---- a save that can wait, on a folder as slow as a real model's slot ----------------------------
+
+def stream_gaps(url: str, session: Session, question: str, max_tokens: int) -> tuple[float, int]:
+    """Stream an answer; (the longest gap between two of its events after the first, events)."""
+    messages = [{"role": "system", "content": session.system},
+                {"role": "user", "content": f"({session.sid}) {question}"}]
+    r = requests.post(url + "/v1/chat/completions", stream=True, timeout=600,
+                      headers={"X-Session-Id": session.sid},
+                      json={"messages": messages, "temperature": 0, "max_tokens": max_tokens,
+                            "stream": True, "ignore_eos": True})
+    assert r.status_code == 200, r.text[:300]
+    arrivals = [time.monotonic() for line in r.iter_lines() if line.startswith(b"data: {")]
+    return max(b - a for a, b in zip(arrivals, arrivals[1:])), len(arrivals)
+
+
+def test_an_idle_save_waits_while_another_slot_streams_on_a_slow_folder(
+        make_llama, make_proxy, tmp_path, reliability):
+    """The slot folder capped at 5 MB/s (a FUSE passthrough: a multi-GiB slot on a GPU host
+    saves this slowly): session b's idle save would stop session a's stream for ~2 s, since the
+    server writes on its main loop (issue #31). It waits until a's stream ends; a's longest gap
+    stays within the stall budget."""
+    folder = ThrottledFolder(tmp_path / "fuse", 5_000_000).start()
+    try:
+        server = make_llama(np=2, ctx=8192, slot_save_path=folder.path)
+        proxy = make_proxy(server, slotkeeper_slot_dir=str(folder.path), **SAVE_FAST)
+        b = Session("stall-b", system=long_system_prompt(800, seed=5))  # ~1,100 tokens
+        assert b.ask(proxy.url, "Name a prime.").status == 200
+        first = wait_saved(folder.backing, b.sid, timeout=60)  # measures the save speed
+        assert b.ask(proxy.url, "And another one?").status == 200  # idle-saved a second later
+        gap, events = stream_gaps(proxy.url, Session("stall-a"), "Count slowly.", 150)
+        ended = time.time()
+        second = wait_saved(folder.backing, b.sid, newer_than=ended - 0.5, timeout=60)
+        log = proxy.log_text()
+    finally:
+        folder.stop()
+    assert events >= 100
+    assert gap < 1.0, (gap, log[-3000:])  # the budget (0.5 s) and the stream's own jitter
+    assert "save of stall-b deferred" in log, log[-3000:]
+    assert second["n_tokens"] > first["n_tokens"]
+    reliability.row("an idle save due while another slot streams, slot folder at 5 MB/s "
+                    "(FUSE; the save would take ~2 s)",
+                    outcome=f"deferred until the stream ended (its longest gap {gap:.2f} s), "
+                            f"then saved",
                     lost="none")
 
 

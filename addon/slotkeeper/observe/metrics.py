@@ -108,6 +108,9 @@ FALLBACKS = _metric(Counter, "slotkeeper_fallbacks",
 PLACEMENTS = _metric(Counter, "slotkeeper_placements",
                     "Pool (slotkeeper_upstreams): requests placed on each server, by why "
                     "(stay, cheapest, moved, turn, least busy).", ("upstream", "reason"))
+SAVES_DEFERRED = _metric(Counter, "slotkeeper_saves_deferred",
+                         "Idle or periodic saves put off because another slot was generating "
+                         "and the save's predicted stall exceeded slotkeeper_stall_budget_ms.")
 SWAP_SAVES = _metric(Counter, "slotkeeper_swap_saves",
                      "Sessions saved because their model was about to be unloaded (a request "
                      "for another model behind a router or llama-swap, or an unload passing "
@@ -216,6 +219,10 @@ def slot_mismatch() -> None:
 
 def restore_miss(kind: str) -> None:
     RESTORE_MISSES.labels(kind).inc()
+
+
+def save_deferred() -> None:
+    SAVES_DEFERRED.inc()
 
 
 def swap_saved(model: str) -> None:

@@ -138,7 +138,8 @@ class Accounting:
         tokens = tokens_after(timings) if timings else None
         if tokens is not None:
             info.last_seen[route.session] = Seen(now, tokens, route.messages)
-        if self._grew_enough(route, tokens):
+        if self._grew_enough(route, tokens) and self._may_save_now(
+                route.upstream, info, route.slot, route.session, tokens):
             self.saves.save_slot(route.upstream, info, route.slot, route.session, route.messages)
         last = info.usage_written.get(route.session, 0.0)
         if route.action == KEPT and now - last < self.config.usage_write_interval:
@@ -204,17 +205,45 @@ class Accounting:
 
     # ---- saves outside a request -------------------------------------------------------------
 
-    def save_if_idle(self, url: str, session: str, ended: float) -> bool:
+    def save_if_idle(self, url: str, session: str, ended: float) -> bool | None:
         """Called a few seconds after a request ended: if the session has not been back since,
         save what it grew, so a llama-server that dies without warning loses nothing that
-        finished. Skips quietly when the slot is busy or no longer the session's."""
+        finished. Skips quietly when the slot is busy or no longer the session's. None: not
+        now, another slot is generating and the save would stall it past the budget (the
+        caller tries again later)."""
         info = self.upstreams.peek(url)
         if info is None or self.snapshots is None:
             return False
         seen = info.last_seen.get(session)
         if seen is None or seen.at > ended:
             return False  # it came back: its own next idle period will save it
+        slot = resident_slot(self.state.read(), url, session)
+        if slot is not None and not self._may_save_now(url, info, slot, session, seen.tokens):
+            return None
         return self._save_resident(url, info, session, seen.tokens, lock_timeout=0)
+
+    def _may_save_now(self, url: str, info: UpstreamInfo, slot: int, session: str,
+                      tokens: int | None) -> bool:
+        """policy.save_now with this server's figures: the predicted stall is the snapshot's
+        bytes (the measured size line, else its last file) at the measured save speed."""
+        rates = info.client.costs.rates()
+        nbytes = None
+        if rates.kv_bytes_per_token is not None and tokens is not None:
+            nbytes = (rates.slot_fixed_bytes or 0.0) + tokens * rates.kv_bytes_per_token
+        elif self.snapshots is not None and (meta := self.snapshots.folder.read_meta(session)):
+            nbytes = float(meta.size_bytes)
+        stall = nbytes / rates.save_bytes_per_s if nbytes and rates.save_bytes_per_s else None
+        try:
+            others = any(v.is_processing and v.id != slot for v in info.client.slots())
+        except SlotsUnavailable:
+            others = False
+        if policy.save_now(stall, others, self.config.stall_budget):
+            return True
+        metrics.save_deferred()
+        log.info("save of %s deferred: ~%.1f s of stall for the other slots' streams "
+                 "(slotkeeper_stall_budget_ms %d)", session, stall or 0.0,
+                 self.config.stall_budget * 1000)
+        return False
 
     def save_all(self, lock_timeout: float = 30.0) -> int:
         """On shutdown: save every session resident on a known upstream that grew since its
