@@ -49,6 +49,9 @@ class Result:
     headers: dict[str, str] = field(default_factory=dict)
     header_waits_s: list[float] = field(default_factory=list)  # attempts that timed out
     error: str | None = None
+    # time.perf_counter() (CLOCK_MONOTONIC, shared by every process) of each content event:
+    # the inter-token gaps (scripts/bench-profiles: other slots' saves stall a stream)
+    token_at: list[float] = field(default_factory=list)
 
     @property
     def retries(self) -> int:
@@ -188,6 +191,7 @@ def _read_sse(resp: http.client.HTTPResponse, t0: float, result: Result,
             piece = (choice.get("delta") or {}).get("content")
             if piece:
                 parts.append(piece)
+                result.token_at.append(time.perf_counter())
                 if result.ttft_s is None:
                     result.ttft_s = time.perf_counter() - t0
         if isinstance(event.get("timings"), dict):  # llama-server's last event
@@ -211,6 +215,7 @@ def _read_ndjson(resp: http.client.HTTPResponse, t0: float, result: Result,
         piece = (event.get("message") or {}).get("content")
         if piece:
             parts.append(piece)
+            result.token_at.append(time.perf_counter())
             if result.ttft_s is None:
                 result.ttft_s = time.perf_counter() - t0
         if event.get("done"):

@@ -1,0 +1,301 @@
+"""The pure part of scripts/bench-profiles and scripts/paper-profiles (issue #31): published
+GPU profiles, the throttle cap that gives the test bed a profile's cost ratios, the inter-token
+gaps of the streams and what overlapped them, the bytes that went through the slot folder, and
+the projection of the measured counts onto each profile. No processes, no I/O.
+
+Every rate of a profile names its source (`sources`); KV bytes a token are computed from the
+model card (config.json): 2 (K and V) x layers x KV heads x head dim x 2 bytes (f16)."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MiB = 2 ** 20
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    label: str
+    model: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    prefill_tps: float  # llama.cpp prompt processing, tokens/s
+    decode_tps: float  # llama.cpp token generation, tokens/s (one stream)
+    save_bps: float  # bytes/s a slot save writes (device -> host -> disk)
+    restore_bps: float  # bytes/s a slot restore reads (disk -> host -> device)
+    np: int | None = None  # the deployment's -np, when it is fixed (70B on 3 GPUs: 1)
+    sources: tuple[str, ...] = field(default=())
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"kv_bytes_per_token": self.kv_bytes_per_token}
+
+
+# The disk both single-GPU profiles save to: a PCIe 4.0 NVMe SSD (Samsung 990 PRO 2 TB: 7,450
+# MB/s sequential read, 6,900 MB/s write, its data sheet). llama-server's save is one thread:
+# llama_state_seq_save_file copies each layer's K and V off the GPU and fwrite()s it, so neither
+# the SSD's nor PCIe's peak is reached. We take 3 GB/s for a restore and 2 GB/s for a save, the
+# brief's "~2-3 GB/s NVMe" (issue #31), and say so: a slower disk (a SATA SSD at ~0.5 GB/s)
+# makes every save and restore 4-6x dearer.
+NVME_SOURCE = ("Samsung 990 PRO data sheet: 7,450 MB/s read, 6,900 MB/s write (sequential); "
+               "llama-server's single-threaded save/restore assumed at 2 GB/s write, 3 GB/s read")
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (
+    Profile(
+        "rtx4090-llama8b", "Llama-3.1-8B Q4_0 on one RTX 4090", "meta-llama/Llama-3.1-8B",
+        layers=32, kv_heads=8, head_dim=128,
+        prefill_tps=11_000.0, decode_tps=150.0, save_bps=2.0 * GB, restore_bps=3.0 * GB,
+        sources=("PLACEHOLDER",)),
+    Profile(
+        "rtx4090-qwen32b", "Qwen2.5-32B Q4_K_M on one RTX 4090", "Qwen/Qwen2.5-32B-Instruct",
+        layers=64, kv_heads=8, head_dim=128,
+        prefill_tps=2_500.0, decode_tps=38.0, save_bps=2.0 * GB, restore_bps=3.0 * GB,
+        sources=("PLACEHOLDER",)),
+    Profile(
+        "3x3090-llama70b", "Llama-3.3-70B Q4_K_M on three RTX 3090, -np 1",
+        "meta-llama/Llama-3.3-70B-Instruct", layers=80, kv_heads=8, head_dim=128,
+        prefill_tps=800.0, decode_tps=16.0, save_bps=2.0 * GB, restore_bps=3.0 * GB, np=1,
+        sources=("PLACEHOLDER",)),
+)}
+
+
+# ---- the cap ----------------------------------------------------------------------------------
+
+def derive_cap(profile: Profile, bed_prefill_tps: float, bed_kv_bytes_per_token: float,
+               bed_decode_tps: float) -> dict[str, Any]:
+    """The bytes/s of the throttled slot folder that makes restoring a token cost, relative to
+    prefilling it, what it costs on `profile`:
+
+        restore s/token / prefill s/token  =  (kv / restore_bps) / (1 / prefill_tps)
+
+    on the profile; on the bed restore s/token = kv_bed / cap, prefill s/token = 1 / bed rate,
+    so cap = kv_bed x bed_prefill_tps / ratio  =  restore_bps x (kv_bed / kv) x (bed / prefill).
+    One bucket serves reads and writes, so a save costs kv_bed / cap a token too: the save
+    ratio is the restore ratio (the profile's own differs by restore_bps / save_bps)."""
+    kv = profile.kv_bytes_per_token
+    restore_ratio = kv / profile.restore_bps * profile.prefill_tps
+    save_ratio = kv / profile.save_bps * profile.prefill_tps
+    cap = bed_kv_bytes_per_token * bed_prefill_tps / restore_ratio
+    # Stalls: a save of one token's KV, in decode steps of another stream.
+    profile_save_per_decode = kv / profile.save_bps * profile.decode_tps
+    bed_save_per_decode = bed_kv_bytes_per_token / cap * bed_decode_tps
+    return {
+        "profile": profile.name,
+        "profile_kv_bytes_per_token": kv,
+        "profile_restore_s_per_token": kv / profile.restore_bps,
+        "profile_prefill_s_per_token": 1 / profile.prefill_tps,
+        "restore_over_prefill": restore_ratio,
+        "profile_save_over_prefill": save_ratio,
+        "bed_prefill_tps": bed_prefill_tps,
+        "bed_decode_tps": bed_decode_tps,
+        "bed_kv_bytes_per_token": bed_kv_bytes_per_token,
+        "cap_bytes_per_s": cap,
+        "bed_restore_s_per_token": bed_kv_bytes_per_token / cap,
+        # how many decode steps of another stream one token's save holds up
+        "profile_save_token_in_decode_steps": profile_save_per_decode,
+        "bed_save_token_in_decode_steps": bed_save_per_decode,
+        "decode_ratio_bed_over_profile": bed_save_per_decode / profile_save_per_decode,
+        # prefill tokens/s over decode tokens/s: how much of a turn is prefill
+        "profile_prefill_over_decode": profile.prefill_tps / profile.decode_tps,
+        "bed_prefill_over_decode": bed_prefill_tps / bed_decode_tps,
+    }
+
+
+def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares bytes = fixed + per_token x tokens; returns (fixed, per_token)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - slope * mx, slope
+
+
+# ---- the server's log ------------------------------------------------------------------------
+
+PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
+EVAL = re.compile(r"\|\s*eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
+
+
+def log_counts(text: str) -> dict[str, Any]:
+    """Prompt tokens prefilled and tokens generated, as llama-server's log reports them (every
+    request, slotkeeper's own seed builds included), with the server's own milliseconds."""
+    prompt = [(float(ms), int(n)) for ms, n in PROMPT_EVAL.findall(text)]
+    decode = [(float(ms), int(n)) for ms, n in EVAL.findall(text)]
+    return {"prefilled": sum(n for _, n in prompt), "prefill_ms": round(sum(m for m, _ in prompt)),
+            "decoded": sum(n for _, n in decode), "decode_ms": round(sum(m for m, _ in decode)),
+            "prompt_evals": len(prompt)}
+
+
+# ---- the slot folder's traffic ----------------------------------------------------------------
+
+KV_FILE_MIN_BYTES = 1 * MiB  # a slot file of the test model is at least its ~4.6 MiB fixed part
+
+
+def io_summary(entries: Sequence[dict[str, Any]], since: float | None = None,
+               until: float | None = None) -> dict[str, Any]:
+    """Bytes written and read in the slot folder (every file: slot files and slotkeeper's
+    metadata), and the slot files' saves (written) and restores (read), from the throttled
+    folder's log. `since`/`until` keep the files closed in that window."""
+    keep = [e for e in entries if (since is None or e["close"] >= since)
+            and (until is None or e["close"] <= until)]
+    saves = [e for e in keep if e["written"] >= KV_FILE_MIN_BYTES]
+    restores = [e for e in keep if e["read"] >= KV_FILE_MIN_BYTES]
+    return {
+        "bytes_written": sum(e["written"] for e in keep),
+        "bytes_read": sum(e["read"] for e in keep),
+        "saves": len(saves), "save_bytes": [e["written"] for e in saves],
+        "save_s": [round(e["last"] - e["first"], 3) for e in saves],
+        "restores": len(restores), "restore_bytes": [e["read"] for e in restores],
+        "restore_s": [round(e["last"] - e["first"], 3) for e in restores],
+    }
+
+
+def kv_tokens(nbytes: int, fixed: float, per_token: float) -> float:
+    """Tokens of KV a slot file of the test model holds (its fixed part is the test model's
+    own: a real model's line goes through ~0)."""
+    return max(0.0, (nbytes - fixed) / per_token)
+
+
+# ---- streams ---------------------------------------------------------------------------------
+
+def io_intervals(entries: Sequence[dict[str, Any]]) -> list[tuple[float, float, str, str]]:
+    """(start, end, 'save'|'restore', path) of each slot file written or read."""
+    out = []
+    for e in entries:
+        if e["first"] is None:
+            continue
+        if e["written"] >= KV_FILE_MIN_BYTES:
+            out.append((e["first"], e["last"], "save", e["path"]))
+        elif e["read"] >= KV_FILE_MIN_BYTES:
+            out.append((e["first"], e["last"], "restore", e["path"]))
+    return out
+
+
+def stream_gaps(streams: Sequence[dict[str, Any]],
+                intervals: Sequence[tuple[float, float, str, str]]) -> dict[str, Any]:
+    """Inter-token gaps of every stream (after its first token: before it, the stream's own
+    prefill and restore), the largest, and the largest that a save or restore overlapped.
+    `streams`: {"key": ..., "token_at": [perf_counter, ...]}. A gap inside a stream is time in
+    which the server did something else: another slot's prefill batch, or a save/restore, which
+    llama-server runs on its main loop (every slot stalls)."""
+    gaps: list[float] = []
+    worst: dict[str, Any] | None = None
+    worst_io: dict[str, Any] | None = None
+    for s in streams:
+        times = s["token_at"]
+        for a, b in zip(times, times[1:]):
+            gap = b - a
+            gaps.append(gap)
+            overlap = [(k, p, round(min(b, e) - max(a, st), 3)) for st, e, k, p in intervals
+                       if st < b and e > a]
+            row = {"gap_s": round(gap, 3), "request": s["key"], "io": overlap}
+            if worst is None or gap > worst["gap_s"]:
+                worst = row
+            if overlap and (worst_io is None or gap > worst_io["gap_s"]):
+                worst_io = row
+    return {
+        "gaps": len(gaps),
+        "median_s": round(statistics.median(gaps), 4) if gaps else None,
+        "p99_s": round(percentile(gaps, 99), 4) if gaps else None,
+        "max": worst,
+        "max_during_io": worst_io,
+        "over_0_5_s": sum(1 for g in gaps if g > 0.5),
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def ttft_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Time to first token of the conversations' turns (kind main), p50 and p95, and of the
+    later turns alone (turn >= 2, where keeping KV pays)."""
+    main = [r["ttft_s"] for r in rows if r["kind"] == "main" and r.get("ttft_s") is not None]
+    later = [r["ttft_s"] for r in rows
+             if r["kind"] == "main" and r["turn"] >= 2 and r.get("ttft_s") is not None]
+    return {"turns": len(main),
+            "p50_s": round(percentile(main, 50), 3) if main else None,
+            "p95_s": round(percentile(main, 95), 3) if main else None,
+            "max_s": round(max(main), 3) if main else None,
+            "later_p50_s": round(percentile(later, 50), 3) if later else None,
+            "later_p95_s": round(percentile(later, 95), 3) if later else None}
+
+
+# ---- on paper ----------------------------------------------------------------------------------
+
+def project(run: dict[str, Any], profile: Profile, fixed: float, per_token: float) -> dict[str, Any]:
+    """A target's measured counts priced at the profile's published rates, one thing at a time
+    (no overlap: llama-server runs saves and restores on its main loop, and one stream at a time
+    here): prefill tokens / prefill_tps + decoded tokens / decode_tps + KV saved / save_bps +
+    KV restored / restore_bps. The slot files' bytes are turned into tokens of KV with the test
+    model's line (its fixed part dropped), then into the profile's bytes."""
+    counts = run["counts"]
+    io = run.get("io") or {}
+    kv = profile.kv_bytes_per_token
+    saved = sum(kv_tokens(b, fixed, per_token) for b in io.get("save_bytes", [])) * kv
+    restored = sum(kv_tokens(b, fixed, per_token) for b in io.get("restore_bytes", [])) * kv
+    parts = {
+        "prefill_s": counts["prefilled"] / profile.prefill_tps,
+        "decode_s": counts["decoded"] / profile.decode_tps,
+        "save_s": saved / profile.save_bps,
+        "restore_s": restored / profile.restore_bps,
+    }
+    return {k: round(v, 2) for k, v in parts.items()} | {
+        "total_s": round(sum(parts.values()), 2),
+        "saved_gib": round(saved / 2 ** 30, 2), "restored_gib": round(restored / 2 ** 30, 2)}
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def markdown(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+    return "\n".join(lines)
+
+
+def result_table(workloads: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """Per workload and target: wall, TTFT p50/p95 of the turns, the largest inter-token gap
+    (and the largest a save/restore overlapped), bytes written to the slot folder (in all and per
+    turn), prefilled tokens."""
+    rows = [["workload", "target", "wall s", "TTFT p50 s", "TTFT p95 s", "max gap s",
+             "max gap in save/restore s", "MiB written", "MiB / turn", "saves", "restores",
+             "prefilled"]]
+    for wl, runs in workloads.items():
+        for name, run in runs.items():
+            if name.startswith("_"):
+                continue
+            t, g, io = run["ttft"], run["gaps"], run.get("io") or {}
+            turns = t["turns"] or 1
+            written = io.get("bytes_written", 0)
+            rows.append([wl, name, fmt(run["wall_s"], 1), fmt(t["p50_s"]), fmt(t["p95_s"]),
+                         fmt((g["max"] or {}).get("gap_s")),
+                         fmt((g["max_during_io"] or {}).get("gap_s")),
+                         fmt(written / MiB, 1), fmt(written / MiB / turns, 1),
+                         fmt(io.get("saves", 0)), fmt(io.get("restores", 0)),
+                         fmt(run["counts"]["prefilled"])])
+    return rows
