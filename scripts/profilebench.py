@@ -41,31 +41,43 @@ class Profile:
         return asdict(self) | {"kv_bytes_per_token": self.kv_bytes_per_token}
 
 
-# The disk both single-GPU profiles save to: a PCIe 4.0 NVMe SSD (Samsung 990 PRO 2 TB: 7,450
-# MB/s sequential read, 6,900 MB/s write, its data sheet). llama-server's save is one thread:
-# llama_state_seq_save_file copies each layer's K and V off the GPU and fwrite()s it, so neither
-# the SSD's nor PCIe's peak is reached. We take 3 GB/s for a restore and 2 GB/s for a save, the
-# brief's "~2-3 GB/s NVMe" (issue #31), and say so: a slower disk (a SATA SSD at ~0.5 GB/s)
-# makes every save and restore 4-6x dearer.
-NVME_SOURCE = ("Samsung 990 PRO data sheet: 7,450 MB/s read, 6,900 MB/s write (sequential); "
-               "llama-server's single-threaded save/restore assumed at 2 GB/s write, 3 GB/s read")
+# Compute rates: llama.cpp's own llama-bench, CUDA, all layers on the GPU(s), one source for
+# all three (the same harness and llama.cpp build): XiongjieDai/GPU-Benchmarks-on-LLM-Inference,
+# README, "LLaMA 3" NVIDIA table (May 2024) and "LLaMA" table (Dec 2023).
+GPU_BENCH = "https://github.com/XiongjieDai/GPU-Benchmarks-on-LLM-Inference (README)"
+# Save/restore rates: llama-server's own slot save/restore path (single-threaded fwrite/fread of
+# each layer's K and V, through the page cache), measured uncapped on this machine by the
+# calibration (1.6-2.2 GB/s save, 3.2-3.3 GB/s restore, run of 2026-12-06); a PCIe 4.0 NVMe
+# (Samsung 990 PRO: 6.9 GB/s write, 7.45 GB/s read sequential, its data sheet) and a GPU's
+# PCIe 4.0 x16 copy (~25 GB/s) are both faster, so the server's own path is the limit we take.
+DISK = ("save 2 GB/s, restore 3 GB/s: llama-server's own save/restore path, measured uncapped "
+        "here (calibration); NVMe and PCIe 4.0 are faster")
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile(
-        "rtx4090-llama8b", "Llama-3.1-8B Q4_0 on one RTX 4090", "meta-llama/Llama-3.1-8B",
+        "rtx4090-llama8b", "Llama-3.1-8B Q4_K_M on one RTX 4090", "meta-llama/Llama-3.1-8B",
         layers=32, kv_heads=8, head_dim=128,
-        prefill_tps=11_000.0, decode_tps=150.0, save_bps=2.0 * GB, restore_bps=3.0 * GB,
-        sources=("PLACEHOLDER",)),
+        prefill_tps=5265.68, decode_tps=127.74, save_bps=2.0 * GB, restore_bps=3.0 * GB,
+        sources=(f"{GPU_BENCH}: 4090 24GB, 8B Q4_K_M, pp 4096 5,265.68 t/s, tg 1024 127.74 t/s",
+                 "KV: Llama-3.1-8B config.json (32 layers, 8 KV heads, head dim 4096/32)",
+                 DISK)),
     Profile(
-        "rtx4090-qwen32b", "Qwen2.5-32B Q4_K_M on one RTX 4090", "Qwen/Qwen2.5-32B-Instruct",
+        "rtx4090-qwen32b", "Qwen2.5-32B Q4 on one RTX 4090", "Qwen/Qwen2.5-32B-Instruct",
         layers=64, kv_heads=8, head_dim=128,
-        prefill_tps=2_500.0, decode_tps=38.0, save_bps=2.0 * GB, restore_bps=3.0 * GB,
-        sources=("PLACEHOLDER",)),
+        prefill_tps=1414.5, decode_tps=40.09, save_bps=2.0 * GB, restore_bps=3.0 * GB,
+        sources=(f"{GPU_BENCH}: 4090 24GB, LLaMA 30B q4_0 (32.5B parameters, the source's "
+                 "one-GPU ~32B model), mean PP 1,414.5 t/s, mean TG 40.09 t/s",
+                 "KV: Qwen2.5-32B-Instruct config.json (64 layers, 8 KV heads, head dim 128)",
+                 DISK)),
     Profile(
         "3x3090-llama70b", "Llama-3.3-70B Q4_K_M on three RTX 3090, -np 1",
         "meta-llama/Llama-3.3-70B-Instruct", layers=80, kv_heads=8, head_dim=128,
-        prefill_tps=800.0, decode_tps=16.0, save_bps=2.0 * GB, restore_bps=3.0 * GB, np=1,
-        sources=("PLACEHOLDER",)),
+        prefill_tps=373.6, decode_tps=15.8, save_bps=2.0 * GB, restore_bps=3.0 * GB, np=1,
+        sources=(f"{GPU_BENCH}: Llama 3 70B Q4_K_M, 3090 24GB * 2: pp 4096 379.52, tg 4096 "
+                 "15.36; * 4: pp 4096 367.75, tg 4096 16.24 (no * 3 row; layer split runs "
+                 "the GPUs one after the other, so 3 lies between: their mean)",
+                 "KV: Llama-3.3-70B-Instruct config.json (80 layers, 8 KV heads, head dim 128)",
+                 DISK)),
 )}
 
 
@@ -108,6 +120,10 @@ def derive_cap(profile: Profile, bed_prefill_tps: float, bed_kv_bytes_per_token:
         # prefill tokens/s over decode tokens/s: how much of a turn is prefill
         "profile_prefill_over_decode": profile.prefill_tps / profile.decode_tps,
         "bed_prefill_over_decode": bed_prefill_tps / bed_decode_tps,
+        # how much slower the bed runs than the profile (prefill, and so restores and saves):
+        # a bed second is 1/dilation of a profile second; an absolute bound (the stall budget,
+        # 500 ms) is that many times tighter here than on the profile
+        "time_dilation": profile.prefill_tps / bed_prefill_tps,
     }
 
 
@@ -143,42 +159,49 @@ KV_FILE_MIN_BYTES = 1 * MiB  # a slot file of the test model is at least its ~4.
 
 
 def io_summary(entries: Sequence[dict[str, Any]], since: float | None = None,
-               until: float | None = None) -> dict[str, Any]:
+               until: float | None = None, server_pid: int | None = None) -> dict[str, Any]:
     """Bytes written and read in the slot folder (every file: slot files and slotkeeper's
     metadata), and the slot files' saves (written) and restores (read), from the throttled
     folder's log. `since`/`until` keep the files closed in that window."""
     keep = [e for e in entries if (since is None or e["close"] >= since)
             and (until is None or e["close"] <= until)]
     saves = [e for e in keep if e["written"] >= KV_FILE_MIN_BYTES]
-    restores = [e for e in keep if e["read"] >= KV_FILE_MIN_BYTES]
+    reads = [e for e in keep if e["read"] >= KV_FILE_MIN_BYTES]
+    # a restore is llama-server reading a slot file; slotkeeper reads some itself (checks)
+    restores = [e for e in reads if server_pid is None or e.get("pid") in (None, server_pid)]
     return {
+        "proxy_reads": len(reads) - len(restores),
+        "proxy_read_bytes": sum(e["read"] for e in reads if e not in restores),
         "bytes_written": sum(e["written"] for e in keep),
         "bytes_read": sum(e["read"] for e in keep),
+        # bytes as KV of a model without a sliding window (scripts/throttlelog.py charged())
+        "charged_written": round(sum(e.get("charged", 0) for e in saves)),
+        "charged_read": round(sum(e.get("charged", 0) for e in restores)),
         "saves": len(saves), "save_bytes": [e["written"] for e in saves],
+        "save_charged": [round(e.get("charged", 0)) for e in saves],
+        "restore_charged": [round(e.get("charged", 0)) for e in restores],
         "save_s": [round(e["last"] - e["first"], 3) for e in saves],
         "restores": len(restores), "restore_bytes": [e["read"] for e in restores],
         "restore_s": [round(e["last"] - e["first"], 3) for e in restores],
     }
 
 
-def kv_tokens(nbytes: int, fixed: float, per_token: float) -> float:
-    """Tokens of KV a slot file of the test model holds (its fixed part is the test model's
-    own: a real model's line goes through ~0)."""
-    return max(0.0, (nbytes - fixed) / per_token)
 
 
 # ---- streams ---------------------------------------------------------------------------------
 
-def io_intervals(entries: Sequence[dict[str, Any]]) -> list[tuple[float, float, str, str]]:
-    """(start, end, 'save'|'restore', path) of each slot file written or read."""
+def io_intervals(entries: Sequence[dict[str, Any]],
+                 server_pid: int | None = None) -> list[tuple[float, float, str, str]]:
+    """(start, end, 'save'|'restore', path) of each slot file llama-server wrote or read."""
     out = []
     for e in entries:
-        if e["first"] is None:
+        if e["first"] is None or (server_pid is not None
+                                  and e.get("pid") not in (None, server_pid)):
             continue
         if e["written"] >= KV_FILE_MIN_BYTES:
-            out.append((e["first"], e["last"], "save", e["path"]))
+            out.append((e["open"], e["close"], "save", e["path"]))
         elif e["read"] >= KV_FILE_MIN_BYTES:
-            out.append((e["first"], e["last"], "restore", e["path"]))
+            out.append((e["open"], e["close"], "restore", e["path"]))
     return out
 
 
@@ -240,17 +263,18 @@ def ttft_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 # ---- on paper ----------------------------------------------------------------------------------
 
-def project(run: dict[str, Any], profile: Profile, fixed: float, per_token: float) -> dict[str, Any]:
+def project(run: dict[str, Any], profile: Profile, per_token: float) -> dict[str, Any]:
     """A target's measured counts priced at the profile's published rates, one thing at a time
     (no overlap: llama-server runs saves and restores on its main loop, and one stream at a time
     here): prefill tokens / prefill_tps + decoded tokens / decode_tps + KV saved / save_bps +
-    KV restored / restore_bps. The slot files' bytes are turned into tokens of KV with the test
-    model's line (its fixed part dropped), then into the profile's bytes."""
+    KV restored / restore_bps. The slot files' charged bytes (the test model's full-attention KV,
+    scripts/throttlelog.py charged()) over its bytes a token are tokens of KV, priced at the
+    profile's bytes a token."""
     counts = run["counts"]
     io = run.get("io") or {}
     kv = profile.kv_bytes_per_token
-    saved = sum(kv_tokens(b, fixed, per_token) for b in io.get("save_bytes", [])) * kv
-    restored = sum(kv_tokens(b, fixed, per_token) for b in io.get("restore_bytes", [])) * kv
+    saved = sum(io.get("save_charged", [])) / per_token * kv
+    restored = sum(io.get("restore_charged", [])) / per_token * kv
     parts = {
         "prefill_s": counts["prefilled"] / profile.prefill_tps,
         "decode_s": counts["decoded"] / profile.decode_tps,

@@ -28,18 +28,59 @@ sys.path.insert(0, str(REPO / "tests" / "bed"))
 
 from throttlefs import MOUNT_WAIT_S, Bucket, make_operations  # noqa: E402
 
+UNLIMITED = 1e15  # the inner passthrough's own bucket: the charge below is what waits
 
-def logged_operations(backing: Path, bucket: Bucket, log_path: Path) -> Any:
-    ops = make_operations(backing, bucket)
+
+def charged(nbytes: float, small_per_token: float, per_token: float, fixed: float) -> float:
+    """Bytes of a slot file that cost as KV of a model without a sliding window. The test
+    model (gemma-3-270m, --swa-full) writes `small_per_token` a token up to its window, then
+    `per_token` a token more (its full-attention layers) over a `fixed` part (its sliding-window
+    layers' window): a file of n tokens is small_per_token x n (n <= window) or fixed +
+    per_token x n. Charged: per_token x n in both cases, so a save or restore waits as long as
+    its tokens of KV take at the cap, as a model whose every layer is full attention would
+    (fixed 0: every byte is charged)."""
+    if fixed <= 0 or small_per_token <= per_token:
+        return nbytes
+    knee = fixed * small_per_token / (small_per_token - per_token)
+    return nbytes * per_token / small_per_token if nbytes <= knee else nbytes - fixed
+
+
+def logged_operations(backing: Path, bucket: Bucket, log_path: Path,
+                      charge: tuple[float, float, float] | None = None) -> Any:
+    ops = make_operations(backing, Bucket(UNLIMITED))
     lock = threading.Lock()
     open_files: dict[int, dict[str, Any]] = {}
     log = log_path.open("a", buffering=1)
 
+    import mfusepy
+
     def note_open(path: str, fh: int) -> int:
+        try:
+            pid = mfusepy.fuse_get_context()[2]  # who opened it: llama-server or slotkeeper
+        except Exception:  # noqa: BLE001 - the log goes on without it
+            pid = None
         with lock:
-            open_files[fh] = {"path": path, "open": time.perf_counter(), "first": None,
-                              "last": None, "read": 0, "written": 0}
+            open_files[fh] = {"path": path, "pid": pid, "open": time.perf_counter(), "first": None,
+                              "last": None, "read": 0, "written": 0, "charged": 0.0}
         return fh
+
+    def spend(fh: int, key: str, nbytes: int) -> None:
+        """Wait for this call's share of the bucket: its bytes, or with `charge` what they
+        add to the file's charged bytes."""
+        if charge is None:
+            with lock:
+                if fh in open_files:
+                    open_files[fh]["charged"] += nbytes
+            bucket.spend(nbytes)
+            return
+        with lock:
+            entry = open_files.get(fh)
+            before = entry[key] if entry else 0
+        cost = charged(before + nbytes, *charge) - charged(before, *charge)
+        if entry is not None:
+            with lock:
+                entry["charged"] += cost
+        bucket.spend(max(0, round(cost)))
 
     def note_io(fh: int, key: str, nbytes: int, started: float) -> None:
         with lock:
@@ -63,11 +104,13 @@ def logged_operations(backing: Path, bucket: Bucket, log_path: Path) -> Any:
     def read(path, size, offset, fh):
         started = time.perf_counter()
         data = inner_read(path, size, offset, fh)
+        spend(fh, "read", len(data))
         note_io(fh, "read", len(data), started)
         return data
 
     def write(path, data, offset, fh):
         started = time.perf_counter()
+        spend(fh, "written", len(data))
         n = inner_write(path, data, offset, fh)
         note_io(fh, "written", n, started)
         return n
@@ -88,11 +131,13 @@ def logged_operations(backing: Path, bucket: Bucket, log_path: Path) -> Any:
 class LoggedFolder:
     """A capped mount point (`path`) over `backing`, logging to `log_path`."""
 
-    def __init__(self, root: Path, bytes_per_s: float) -> None:
+    def __init__(self, root: Path, bytes_per_s: float,
+                 charge: tuple[float, float, float] | None = None) -> None:
         self.backing = root / "backing"
         self.path = root / "throttled"
         self.log_path = root / "io.jsonl"
         self.bytes_per_s = bytes_per_s
+        self.charge = charge
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> LoggedFolder:
@@ -101,7 +146,8 @@ class LoggedFolder:
         self.log_path.touch()
         self.proc = subprocess.Popen(
             [sys.executable, __file__, str(self.backing), str(self.path),
-             "--bytes-per-s", str(self.bytes_per_s), "--log", str(self.log_path)],
+             "--bytes-per-s", str(self.bytes_per_s), "--log", str(self.log_path),
+             *(["--charge", *map(str, self.charge)] if self.charge else [])],
             stdout=subprocess.DEVNULL, stderr=open(self.path.parent / "throttlefs.log", "wb"))
         deadline = time.monotonic() + MOUNT_WAIT_S
         while not os.path.ismount(self.path):
@@ -136,8 +182,12 @@ def main() -> None:
     parser.add_argument("mountpoint", type=Path)
     parser.add_argument("--bytes-per-s", type=float, required=True)
     parser.add_argument("--log", type=Path, required=True)
+    parser.add_argument("--charge", type=float, nargs=3, default=None,
+                        metavar=("SMALL_PER_TOKEN", "PER_TOKEN", "FIXED"),
+                        help="charge a file's bytes as KV tokens x PER_TOKEN (see charged())")
     args = parser.parse_args()
-    ops = logged_operations(args.backing.resolve(), Bucket(args.bytes_per_s), args.log)
+    ops = logged_operations(args.backing.resolve(), Bucket(args.bytes_per_s), args.log,
+                            tuple(args.charge) if args.charge else None)
     mfusepy.FUSE(ops, str(args.mountpoint), foreground=True, nothreads=False)
 
 
