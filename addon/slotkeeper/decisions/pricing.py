@@ -64,6 +64,16 @@ def restore_pays(rates: Rates, nbytes: float | None, tokens: int) -> bool:
     return restore is None or prefill is None or restore < prefill
 
 
+def copy_pays(rates: Rates, tokens: int, useful_tokens: int) -> bool:
+    """Save a session of `tokens` from its slot and restore it into another one, for a new
+    conversation that will reuse `useful_tokens` of it (the parent's prefix), rather than
+    prefill those? The parent keeps its slot: the copy's write and read are the cost."""
+    nbytes = rates.file_bytes(tokens)
+    save, restore = rates.save_seconds(nbytes), rates.restore_seconds(nbytes)
+    prefill = rates.prefill_seconds(useful_tokens)
+    return save is None or restore is None or prefill is None or save + restore < prefill
+
+
 def save_pays(rates: Rates, tokens: int, saved_tokens: int, saved_bytes: float | None) -> bool:
     """Save a slot of `tokens` whose last snapshot holds `saved_tokens` (`saved_bytes`)?
 

@@ -129,10 +129,13 @@ class Snapshots:
     # ---- restore ---------------------------------------------------------------------------------
 
     def restore(self, client: Upstream, props: ServerProps, slot: int, snapshot: str,
-                message_count: int, notes: list[str], what: str = "") -> int:
+                message_count: int, notes: list[str], what: str = "",
+                useful_tokens: int = 0) -> int:
         """Check and restore a snapshot into the slot under its lock (a save of it cannot swap
         the file between the check and the restore); tokens restored, 0 when it was not
-        usable or failed. A failed restore may leave the slot half-written, so it is erased."""
+        usable, not worth it (`useful_tokens`: what the request will reuse of it, when not all
+        of it: another session's prefix) or failed. A failed restore may leave the slot
+        half-written, so it is erased."""
         lock = self.locks.snapshot(snapshot, self.lock_timeout)
         if lock is None:
             notes.append(f"{what or 'snapshot'} busy: not restored")
@@ -144,7 +147,7 @@ class Snapshots:
                     notes.append(f"{what or 'snapshot'} not used: {reason}")
                     metrics.restore_refused(reason)
                 return 0
-            if not self._restore_pays(client, snapshot, what, notes):
+            if not self._restore_pays(client, snapshot, what, notes, useful_tokens):
                 return 0
             t0 = time.monotonic()
             try:
@@ -167,20 +170,19 @@ class Snapshots:
             self._touch_locked(snapshot)
             return restored
 
-    def _restore_pays(self, client: Upstream, snapshot: str, what: str,
-                      notes: list[str]) -> bool:
+    def _restore_pays(self, client: Upstream, snapshot: str, what: str, notes: list[str],
+                      useful_tokens: int) -> bool:
         """pricing.restore_pays with this server's speeds and the snapshot's own size."""
         meta = self.folder.read_meta(snapshot)
         if meta is None:
             return True
-        rates = client.costs.rates()
-        if pricing.restore_pays(rates, meta.size_bytes, meta.n_tokens):
+        rates, tokens = client.costs.rates(), useful_tokens or meta.n_tokens
+        if pricing.restore_pays(rates, meta.size_bytes, tokens):
             return True
         metrics.restore_skipped()
         notes.append(f"{what or 'snapshot'} not restored: reading {meta.size_bytes / 1e6:,.0f} "
                      f"MB takes ~{rates.restore_seconds(meta.size_bytes) or 0:.1f} s, "
-                     f"prefilling its {meta.n_tokens:,} tokens "
-                     f"~{rates.prefill_seconds(meta.n_tokens) or 0:.1f} s")
+                     f"prefilling its {tokens:,} tokens ~{rates.prefill_seconds(tokens) or 0:.1f} s")
         return False
 
     def _touch_locked(self, snapshot: str) -> None:

@@ -91,3 +91,12 @@ def test_the_write_budget_counts_the_hour_and_the_save_to_come():
     assert not pricing.within_write_budget(50, 51, budget=100)
     assert pricing.within_write_budget(10**15, 10**9, budget=0)  # 0: no limit
     assert pricing.within_write_budget(99, None, budget=100)
+
+
+def test_a_young_parent_is_copied_for_its_prefix_where_that_beats_prefilling_it():
+    # The test bed: a 600-token parent copied for its 500 shared tokens (ms against ~0.8 s).
+    assert pricing.copy_pays(TEST_BED, 600, 500)
+    # An 8B model on a GPU: writing and reading 600 tokens (75 MiB, ~80 ms) against 50 ms of
+    # prefill: not worth it.
+    assert not pricing.copy_pays(GPU_8B, 600, 500)
+    assert pricing.copy_pays(Rates(), 600, 500)  # unknown: run it, which measures
