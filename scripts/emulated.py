@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from workloads import (CHAT, OLLAMA_CHAT, ChatClient, ChatUI, RebuiltPromptAgent, Req, SdkAgent,
-                       SessionAgent, text)
+                       SessionAgent, ShortPromptAgent, text)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 READ_TIMEOUT_S = 900.0  # a long prompt on a loaded 2-core machine
@@ -360,6 +360,17 @@ def six_agents(sender: Sender, opts: Options) -> None:
             agent.record(req, sender.send(req).content)
 
 
+def short_prompt_agents(sender: Sender, opts: Options) -> None:
+    """#32 (1): three header-less conversations of one coding agent sharing a ~1,150-character
+    system prompt and two examples, `turns` turns each, taken in turn (run it with --slots 2):
+    each new conversation's first turn can reuse the shared opening another slot holds."""
+    agents = [ShortPromptAgent(f"short{k}") for k in (1, 2, 3)]
+    for turn in range(1, opts.turns + 1):
+        for agent in agents:
+            req = agent.request(turn)
+            agent.record(req, sender.send(req).content)
+
+
 WORKLOADS: dict[str, Callable[[Sender, Options], None]] = {
     "six-agents": six_agents,
     "rebuilt-prompt": rebuilt_prompt,
@@ -367,6 +378,7 @@ WORKLOADS: dict[str, Callable[[Sender, Options], None]] = {
     "early-next-turn-ollama": lambda s, o: early_next_turn(s, o, OLLAMA_CHAT),
     "title-first": title_first,
     "mixed-agents": mixed_agents,
+    "short-prompt-agents": short_prompt_agents,
 }
 SLOTKEEPER_ONLY = {"early-next-turn-ollama"}  # llama-server answers no /api/* route
 

@@ -72,27 +72,26 @@ ensure_llama_server_and_model() {
   export SLOTKEEPER_LLAMA_SERVER SLOTKEEPER_MODEL
 }
 
-ensure_chromium() {
-  # The mitmweb screenshot test runs Debian's chromium. As root it is installed when missing;
-  # otherwise that test fails and says how to install it (it is never skipped).
-  command -v chromium >/dev/null && return 0
+ensure_debian_package() {
+  # ensure_debian_package COMMAND PACKAGE WHAT: as root, install PACKAGE when COMMAND is
+  # missing; otherwise say which tests will fail and how to install it (they never skip).
+  local command="$1" package="$2" what="$3"
+  command -v "$command" >/dev/null && return 0
   if as_root && command -v apt-get >/dev/null; then
-    echo "installing chromium (apt-get) for the mitmweb screenshot test" >&2
-    apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >&2
+    echo "installing $package (apt-get) for $what" >&2
+    apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$package" >&2
   else
-    echo "chromium is missing: the mitmweb screenshot test will fail (sudo apt-get install chromium)" >&2
+    echo "$package is missing: the tests of $what will fail (sudo apt-get install $package)" >&2
   fi
+}
+
+ensure_chromium() {
+  # The mitmweb screenshot test runs Debian's chromium.
+  ensure_debian_package chromium chromium "the mitmweb screenshot"
 }
 
 ensure_fuse() {
   # The throttled slot folder of the test bed at real cost ratios (tests/bed/throttlefs.py,
-  # issue #31) mounts with libfuse3's fusermount3. As root it is installed when missing;
-  # otherwise the tests that use it fail and say how to install it (never skipped).
-  command -v fusermount3 >/dev/null && return 0
-  if as_root && command -v apt-get >/dev/null; then
-    echo "installing fuse3 (apt-get) for the throttled slot folder" >&2
-    apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 >&2
-  else
-    echo "fuse3 is missing: the throttled-folder tests will fail (sudo apt-get install fuse3)" >&2
-  fi
+  # issue #31) mounts with libfuse3's fusermount3.
+  ensure_debian_package fusermount3 fuse3 "the throttled slot folder"
 }

@@ -163,6 +163,37 @@ class ChatClient:
         self.history += [req.messages[-1], {"role": "assistant", "content": reply}]
 
 
+# ---- a coding agent with a short system prompt (#32) ----------------------------------------
+
+SHORT_SYSTEM = sized(1150, "You are a careful coding agent working in the user's repository.",
+                     "short-prompt:system")
+
+
+@dataclass
+class ShortPromptAgent:
+    """One conversation of a header-less coding agent whose system prompt is ~1,150 characters
+    (under slotkeeper_seed_min_chars: no seed), then two example exchanges, shared by all its
+    conversations; each conversation opens with its own ~1,000-character task."""
+    name: str
+    history: list[dict[str, str]] = field(default_factory=list)
+
+    @staticmethod
+    def opening() -> list[dict[str, str]]:
+        out: list[dict[str, str]] = [{"role": "system", "content": SHORT_SYSTEM}]
+        for k in (1, 2):
+            out += [{"role": "user", "content": "Example task: " + text(30, f"short:ex{k}")},
+                    {"role": "assistant", "content": "Example answer: " + text(20, f"short:a{k}")}]
+        return out
+
+    def request(self, turn: int) -> Req:
+        ask = question(self.name, turn, 150 if turn == 1 else 40)
+        messages = [*self.opening(), *self.history, {"role": "user", "content": ask}]
+        return Req(self.name, self.name, turn, "main", messages, {})
+
+    def record(self, req: Req, reply: str) -> None:
+        self.history += [req.messages[-1], {"role": "assistant", "content": reply}]
+
+
 # ---- a chat UI with a title request ----------------------------------------------------------
 
 TITLE_TASK = ("### Task:\nGenerate a concise, 3-5 word title with an emoji summarizing the chat "

@@ -85,6 +85,10 @@ def _declare_storage(loader) -> None:
                       "another slot generates only if its predicted stall of the server, its "
                       "bytes at the measured save speed, is at most this long; else it waits "
                       "until no other slot generates. Handover and shutdown saves always run.")
+    loader.add_option("slotkeeper_write_budget_mb_per_hour", int, 8192,
+                      "MiB that idle and periodic saves may write into the slot folder within "
+                      "an hour (0: no limit); past it they are skipped until the hour's "
+                      "writes age out. Handover and shutdown saves always run and count.")
     loader.add_option("slotkeeper_seed_min_chars", int, 2000,
                       "System prompts (plus tools) at least this long get a seed: their KV "
                       "saved once and restored into new sessions' slots.")
@@ -138,7 +142,8 @@ def check(opts) -> tuple[str, ...]:
                  "slotkeeper_min_save_tokens", "slotkeeper_idle_save_seconds",
                  "slotkeeper_seed_min_chars", "slotkeeper_max_seeds",
                  "slotkeeper_disk_max_mb", "slotkeeper_disk_max_age_hours",
-                 "slotkeeper_lock_timeout", "slotkeeper_stall_budget_ms"):
+                 "slotkeeper_lock_timeout", "slotkeeper_stall_budget_ms",
+                 "slotkeeper_write_budget_mb_per_hour"):
         if getattr(opts, name) < 0:
             raise exceptions.OptionsError(f"{name} must be 0 or more")
     for name in ("slotkeeper_slots_timeout_ms", "slotkeeper_save_every_tokens",
@@ -227,6 +232,7 @@ def router_config(opts, upstreams: tuple[str, ...]) -> RouterConfig:
         erase_on_handover=not opts.slotkeeper_keep_prefix,
         save_every_tokens=opts.slotkeeper_save_every_tokens,
         stall_budget=opts.slotkeeper_stall_budget_ms / 1000,
+        write_budget=opts.slotkeeper_write_budget_mb_per_hour * 2**20,
         seed_min_chars=opts.slotkeeper_seed_min_chars,
         max_seeds=opts.slotkeeper_max_seeds,
         upstreams=upstreams,

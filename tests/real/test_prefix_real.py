@@ -234,3 +234,54 @@ def test_forked_conversation_starts_from_its_parents_prefix(make_llama, make_pro
     assert third["session"] == second["session"] and third["action"] == "kept", third
     before = second["timings"]["cache_n"] + second["timings"]["prompt_n"]
     assert third["timings"]["cache_n"] >= 0.9 * before, third
+
+
+# ---- new conversations of a short system prompt (issue #32) -----------------------------------
+
+def short_prompt_conversations() -> list[list[dict]]:
+    """Three header-less conversations of one coding agent: a ~1,150-character system prompt
+    and two example exchanges, shared, then each its own task."""
+    system = ("You are a careful coding agent. " + words(150, "short-system"))[:1150]
+    examples = []
+    for k in (1, 2):
+        examples += [{"role": "user", "content": "Example task: " + words(30, f"ex{k}")},
+                     {"role": "assistant", "content": "Example answer: " + words(20, f"exa{k}")}]
+    return [[{"role": "system", "content": system}, *examples] for _ in range(3)]
+
+
+def run_short_prompt_conversations(url: str) -> list[dict]:
+    conversations = short_prompt_conversations()
+    answers = []
+    for turn in range(1, 5):
+        for n, messages in enumerate(conversations):
+            # A first task of ~1,000 characters: the prompt is over slotkeeper_small_request_chars
+            # (2,000), a conversation and not a side request.
+            size = 150 if turn == 1 else 40
+            messages.append({"role": "user", "content": f"Task {n}, step {turn}: "
+                             + words(size, f"task{n}.{turn}")})
+            answers.append(post(url, messages))
+            messages.append({"role": "assistant", "content": answers[-1]["reply"]})
+    return answers
+
+
+def test_new_conversations_of_a_short_system_prompt_start_from_the_shared_prefix(
+        make_llama, make_proxy, tmp_path):
+    """Three conversations sharing a short system prompt and examples on 2 slots, turns
+    interleaved: each new conversation's first turn reuses the shared prefix, as llama-server
+    alone does; in total slotkeeper prefills no more than the better of llama-server's
+    default and `-sps 0` on the same requests (issue #32: 643 tokens against 120 before)."""
+    slots = tmp_path / "slots"
+    default = make_llama(np=2, ctx=8192)
+    sps0 = make_llama(np=2, ctx=8192, extra=["--slot-prompt-similarity", "0"])
+    server = make_llama(np=2, ctx=8192, slot_save_path=slots)
+    proxy = make_proxy(server, slotkeeper_slot_dir=str(slots))
+    through = run_short_prompt_conversations(proxy.url)
+    alone = {name: run_short_prompt_conversations(s.url)
+             for name, s in (("default", default), ("sps0", sps0))}
+    prefilled = sum(t["timings"]["prompt_n"] for t in through)
+    best = min(sum(t["timings"]["prompt_n"] for t in run) for run in alone.values())
+    print("prefilled, slotkeeper:", [t["timings"]["prompt_n"] for t in through],
+          {name: [t["timings"]["prompt_n"] for t in run] for name, run in alone.items()})
+    for first in through[1:3]:  # the first turns of conversations 2 and 3
+        assert first["timings"]["cache_n"] > 100, (first, through)
+    assert prefilled <= best + len(through), (prefilled, best)

@@ -274,14 +274,6 @@ def grew_enough(tokens: int, saved_tokens: int, min_save_tokens: int,
     return tokens >= min_save_tokens and tokens - saved_tokens >= save_every_tokens
 
 
-def save_now(predicted_stall: float | None, others_generating: bool, budget: float) -> bool:
-    """May a save that need not happen now (idle, periodic) run now? The server writes a slot
-    on its main loop, so while it does no other slot produces a token: run it when no other
-    slot is generating, or when its predicted stall (its bytes at the measured save speed)
-    fits the budget. Unknown (no save measured yet on this server): run it, which measures."""
-    return not others_generating or predicted_stall is None or predicted_stall <= budget
-
-
 def advice(*, url: str, total_slots: int, slots_readable: bool) -> list[str]:
     """Warnings about server settings that defeat slotkeeper, said once per upstream.
 

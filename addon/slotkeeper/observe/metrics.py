@@ -108,9 +108,14 @@ FALLBACKS = _metric(Counter, "slotkeeper_fallbacks",
 PLACEMENTS = _metric(Counter, "slotkeeper_placements",
                     "Pool (slotkeeper_upstreams): requests placed on each server, by why "
                     "(stay, cheapest, moved, turn, least busy).", ("upstream", "reason"))
-SAVES_DEFERRED = _metric(Counter, "slotkeeper_saves_deferred",
-                         "Idle or periodic saves put off because another slot was generating "
-                         "and the save's predicted stall exceeded slotkeeper_stall_budget_ms.")
+SAVES_SKIPPED = _metric(Counter, "slotkeeper_saves_skipped",
+                       "Saves not run, by why: stall_budget (an idle or periodic save put off "
+                       "while another slot generates), write_budget (the hour's bytes spent), "
+                       "cheaper_to_prefill (its write and read cost more than re-prefilling).",
+                       ("reason",))
+RESTORES_SKIPPED = _metric(Counter, "slotkeeper_restores_skipped",
+                           "Snapshots not restored because reading them takes longer than "
+                           "prefilling their tokens at this server's measured speeds.")
 SWAP_SAVES = _metric(Counter, "slotkeeper_swap_saves",
                      "Sessions saved because their model was about to be unloaded (a request "
                      "for another model behind a router or llama-swap, or an unload passing "
@@ -221,8 +226,12 @@ def restore_miss(kind: str) -> None:
     RESTORE_MISSES.labels(kind).inc()
 
 
-def save_deferred() -> None:
-    SAVES_DEFERRED.inc()
+def save_skipped(reason: str) -> None:
+    SAVES_SKIPPED.labels(reason).inc()
+
+
+def restore_skipped() -> None:
+    RESTORES_SKIPPED.inc()
 
 
 def swap_saved(model: str) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from ..decisions import policy
 from ..observe import metrics
-from ..snapshots.saves import Saves
+from ..snapshots.saves import LATER, NOT_THIS_HOUR, NOW, Saves
 from ..snapshots.snapshots import Snapshots, seed_id
 from ..store.locks import SlotLocks
 from ..store.memories import Seen
@@ -138,8 +138,9 @@ class Accounting:
         tokens = tokens_after(timings) if timings else None
         if tokens is not None:
             info.last_seen[route.session] = Seen(now, tokens, route.messages)
-        if self._grew_enough(route, tokens) and self._may_save_now(
-                route.upstream, info, route.slot, route.session, tokens):
+        if (self._grew_enough(route, tokens) and tokens is not None
+                and self.saves.pays(info, route.session, tokens, self._saved_tokens(route))
+                and self.saves.when(info, route.slot, route.session, tokens) == NOW):
             self.saves.save_slot(route.upstream, info, route.slot, route.session, route.messages)
         last = info.usage_written.get(route.session, 0.0)
         if route.action == KEPT and now - last < self.config.usage_write_interval:
@@ -193,6 +194,11 @@ class Accounting:
                         route.slot, timings.cache_n, expected, route.upstream)
             self.upstreams.mark_suspect(route.upstream)
 
+    def _saved_tokens(self, route: Route) -> int:
+        up = self.state.read().upstreams.get(route.upstream)
+        rec = up.slots.get(route.slot) if up is not None and route.slot is not None else None
+        return rec.saved_tokens if rec is not None else 0
+
     def _grew_enough(self, route: Route, tokens: int | None) -> bool:
         if self.snapshots is None or tokens is None:
             return False
@@ -218,32 +224,19 @@ class Accounting:
         if seen is None or seen.at > ended:
             return False  # it came back: its own next idle period will save it
         slot = resident_slot(self.state.read(), url, session)
-        if slot is not None and not self._may_save_now(url, info, slot, session, seen.tokens):
-            return None
+        if slot is not None and self._grown(url, slot, seen.tokens):
+            when = self.saves.when(info, slot, session, seen.tokens)
+            if when == LATER:
+                return None
+            if when == NOT_THIS_HOUR:
+                return False
         return self._save_resident(url, info, session, seen.tokens, lock_timeout=0)
 
-    def _may_save_now(self, url: str, info: UpstreamInfo, slot: int, session: str,
-                      tokens: int | None) -> bool:
-        """policy.save_now with this server's figures: the predicted stall is the snapshot's
-        bytes (the measured size line, else its last file) at the measured save speed."""
-        rates = info.client.costs.rates()
-        nbytes = None
-        if rates.kv_bytes_per_token is not None and tokens is not None:
-            nbytes = (rates.slot_fixed_bytes or 0.0) + tokens * rates.kv_bytes_per_token
-        elif self.snapshots is not None and (meta := self.snapshots.folder.read_meta(session)):
-            nbytes = float(meta.size_bytes)
-        stall = nbytes / rates.save_bytes_per_s if nbytes and rates.save_bytes_per_s else None
-        try:
-            others = any(v.is_processing and v.id != slot for v in info.client.slots())
-        except SlotsUnavailable:
-            others = False
-        if policy.save_now(stall, others, self.config.stall_budget):
-            return True
-        metrics.save_deferred()
-        log.info("save of %s deferred: ~%.1f s of stall for the other slots' streams "
-                 "(slotkeeper_stall_budget_ms %d)", session, stall or 0.0,
-                 self.config.stall_budget * 1000)
-        return False
+    def _grown(self, url: str, slot: int, tokens: int) -> bool:
+        """The slot holds more than its snapshot (else there is nothing to save, or wait for)."""
+        up = self.state.read().upstreams.get(url)
+        rec = up.slots.get(slot) if up is not None else None
+        return rec is not None and tokens > rec.saved_tokens
 
     def save_all(self, lock_timeout: float = 30.0) -> int:
         """On shutdown: save every session resident on a known upstream that grew since its
@@ -271,5 +264,7 @@ class Accounting:
             if resident_slot(self.state.read(), url, session) != slot:
                 return False
             rec = self.state.read().upstreams[url].slots[slot]
+            if not self.saves.pays(info, session, tokens, rec.saved_tokens):
+                return False
             return self.saves.save_slot(url, info, slot, session,
                                         info.messages_of(session, rec.messages)) > 0

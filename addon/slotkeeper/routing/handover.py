@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from ..decisions import policy
+from ..decisions import policy, pricing
 from ..identity.identity import Identity
 from ..observe import metrics
 from ..snapshots.saves import Saves
@@ -88,7 +88,7 @@ class Handover:
         if restored:
             return RESTORED, restored
         fork = ident.rule == "content"
-        restored = self._restore_prefix(info, ident, slot, notes) if fork else 0
+        restored = self._parents_prefix(url, info, ident, slot, notes) if fork else 0
         if restored:
             return PREFIXED, restored
         if ident.seed_key is not None:
@@ -110,10 +110,20 @@ class Handover:
         if prefix.session == in_slot and not self.erase_on_handover:
             notes.append(f"{in_slot}'s KV left in the slot as its prefix")
             return ASSIGNED, 0
+        restored = self._parents_prefix(url, info, ident, slot, notes)
+        return (PREFIXED, restored) if restored else (ASSIGNED, 0)
+
+    def _parents_prefix(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
+                        notes: list[str]) -> int:
+        """The parent's snapshot restored as the session's prefix; when the parent is young
+        (its slot newer than its snapshot), saved from its slot first: a copy, the parent
+        keeps its slot. What llama-server alone does on a new conversation, reusing the
+        prefix another slot holds (issue #32: a content fork of a young parent started cold
+        where the server reused 507 tokens)."""
         restored = self._restore_prefix(info, ident, slot, notes)
         if not restored and self._save_resident_parent(url, info, ident, notes):
             restored = self._restore_prefix(info, ident, slot, notes)
-        return (PREFIXED, restored) if restored else (ASSIGNED, 0)
+        return restored
 
     def _save_resident_parent(self, url: str, info: UpstreamInfo, ident: Identity,
                               notes: list[str]) -> bool:
@@ -133,9 +143,10 @@ class Handover:
         tokens = max(rec.tokens, seen.tokens if seen is not None else 0)
         meta = self.snapshots.folder.read_meta(prefix.session) if self.snapshots else None
         on_disk = max(rec.saved_tokens, meta.n_tokens if meta is not None else 0)
-        if on_disk >= tokens or not policy.prefix_restore_tokens(
-                prefix, snapshot_tokens=tokens,
-                snapshot_messages=info.messages_of(prefix.session, rec.messages)):
+        useful = 0 if on_disk >= tokens else policy.prefix_restore_tokens(
+            prefix, snapshot_tokens=tokens,
+            snapshot_messages=info.messages_of(prefix.session, rec.messages))
+        if not useful or not pricing.copy_pays(info.client.costs.rates(), tokens, useful):
             return False
         lease = self.locks.try_acquire(url, slot, exclusive=True)
         if lease is None:
@@ -167,7 +178,8 @@ class Handover:
             notes.append(f"{prefix.session}'s snapshot diverges too early to reuse")
             return 0
         restored = snapshots.restore(info.client, info.props, slot, prefix.session,
-                                     meta.n_messages, notes, what=f"{prefix.session}'s prefix")
+                                     meta.n_messages, notes, what=f"{prefix.session}'s prefix",
+                                     useful_tokens=expected)
         if not restored:
             return 0
         notes.append(f"started from {prefix.session}'s prefix (~{expected:,} of "

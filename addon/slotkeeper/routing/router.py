@@ -65,7 +65,8 @@ class Router:
         self.upstreams = Upstreams(state, config.slots_timeout, config.api_key,
                                    make_client=kinds.client)
         self.sessions = Sessions(state, config.small_request_chars, config.upstreams)
-        self.saves = Saves(state, self.snapshots, config.min_save_tokens)
+        self.saves = Saves(state, self.snapshots, config.min_save_tokens, config.stall_budget,
+                           config.write_budget)
         self.pool = Pool(config, state, locks, folder, clock, self.upstreams, self.sessions,
                          self.saves)
         self.handover = Handover(state, locks, self.saves, self.snapshots,

@@ -38,6 +38,7 @@ class RouterConfig:
     usage_write_interval: float = 2.0
     save_every_tokens: int = 2048  # a session that keeps its slot is saved after this growth
     stall_budget: float = 0.5  # seconds a save that can wait may stall other slots' streams
+    write_budget: float = 8192 * 2**20  # bytes an hour saves that can wait may write (0: any)
     seed_min_chars: int = 2000  # system prompts (plus tools) at least this long get a seed
     max_seeds: int = 8
     # Several llama-servers behind one address (issue #13): their base URLs, in order. Empty:

@@ -87,7 +87,7 @@ class Sessions:
         system prompt and tools, then a transcript that grows each time, so no two share an
         opening; llama-server's own cache reuses the block, issue #23)."""
         parent, shared = _longest(ident.chain, chains, policy.MIN_CONTINUED_PREFIX)
-        if not parent and self._long_block(ident):
+        if not parent and ident.chain_chars:
             parent, shared = _longest(ident.chain, self.chains, 1)
         if not parent or parent == session:
             return ident if session == ident.session_id else replace(ident, session_id=session)
@@ -96,19 +96,15 @@ class Sessions:
 
     def with_parent(self, url: str, ident: Identity) -> Identity:
         """A header-identified session with no slot here: its parent is the latest
-        conversation with its long system block, as for a content request that opens
+        conversation with its system block, as for a content request that opens
         something new (`_fork`). Its handover starts it from the parent's prefix when that
         pays and no snapshot of its own exists: the second conversation of a system prompt,
         which llama-server alone on one slot starts from the first's (DESIGN, "The second
         conversation")."""
-        if ident.prefix is not None or ident.rule == "content" or not self._long_block(ident):
+        if ident.prefix is not None or ident.rule == "content" or not ident.chain_chars:
             return ident
         parent, shared = _longest(ident.chain, self.chains, 1, exclude=ident.session_id)
         return self._with_prefix(url, ident, parent, shared, None) if parent else ident
-
-    def _long_block(self, ident: Identity) -> bool:
-        """A system block (system prompt and tools) long enough to be worth a restore."""
-        return bool(ident.chain_chars) and ident.chain_chars[0] >= self.small_request_chars
 
     def _with_prefix(self, url: str, ident: Identity, parent: str, shared: int,
                      known: Conversation | None) -> Identity:

@@ -5,21 +5,35 @@ Blocking: worker threads; the caller holds the slot's lease."""
 
 from __future__ import annotations
 
-from ..decisions import policy
+import logging
+
+from ..decisions import policy, pricing
+from ..observe import metrics
 from ..store.state import SlotRecord, StateDoc, StateFile
+from ..upstream.client import SlotsUnavailable
 from ..upstream.registry import UpstreamInfo
 from .snapshots import Snapshots
 
+log = logging.getLogger("slotkeeper")
+
+# What a save that can wait (idle, periodic) should do now.
+NOW = "now"
+LATER = "later"  # another slot generates and the save would stall it past the budget
+NOT_THIS_HOUR = "not this hour"  # the write budget is spent
+
 
 class Saves:
-    """Owns: when a slot is worth saving, the save itself and the claim marks. Does not
-    touch: leases (the caller holds one), placement, which slot a session gets."""
+    """Owns: when a slot is worth saving (its price, the stall and write budgets), the save
+    itself and the claim marks. Does not touch: leases (the caller holds one), placement,
+    which slot a session gets."""
 
-    def __init__(self, state: StateFile, snapshots: Snapshots | None,
-                 min_save_tokens: int) -> None:
+    def __init__(self, state: StateFile, snapshots: Snapshots | None, min_save_tokens: int,
+                 stall_budget: float = 0.5, write_budget: float = 0.0) -> None:
         self.state = state
         self.snapshots = snapshots
         self.min_save_tokens = min_save_tokens
+        self.stall_budget = stall_budget  # seconds a save that can wait may stall other slots
+        self.write_budget = write_budget  # bytes an hour for saves that can wait (0: no limit)
 
     def save_if_worth(self, url: str, info: UpstreamInfo, slot: int, rec: SlotRecord,
                       live_tokens: int) -> bool:
@@ -34,8 +48,55 @@ class Saves:
             return False
         if not policy.worth_saving(tokens, rec.saved_tokens, self.min_save_tokens):
             return True
+        if not self.pays(info, rec.owner, tokens, rec.saved_tokens):
+            return False
         return self.save_slot(url, info, slot, rec.owner,
                               info.messages_of(rec.owner, rec.messages)) > 0
+
+    def pays(self, info: UpstreamInfo, session: str, tokens: int, saved_tokens: int) -> bool:
+        """pricing.save_pays with this server's speeds and the session's last snapshot."""
+        if self.snapshots is None:
+            return False
+        meta = self.snapshots.folder.read_meta(session) if saved_tokens > 0 else None
+        rates = info.client.costs.rates()
+        if pricing.save_pays(rates, tokens, saved_tokens, meta.size_bytes if meta else None):
+            return True
+        metrics.save_skipped("cheaper_to_prefill")
+        costs = pricing.return_costs(rates, tokens, saved_tokens,
+                                     meta.size_bytes if meta else None) or (0.0, 0.0)
+        log.info("%s not saved: writing and later reading its %d tokens (~%.1f s) costs more "
+                 "than bringing it back without this save (~%.1f s: a prefill, or its older "
+                 "snapshot and a prefill of the rest)", session, tokens, costs[0], costs[1])
+        return False
+
+    def when(self, info: UpstreamInfo, slot: int, session: str, tokens: int) -> str:
+        """For a save that can wait (idle, periodic): NOW, LATER (another slot generates and
+        the save's predicted stall, its bytes at the measured save speed, exceeds the stall
+        budget) or NOT_THIS_HOUR (the write budget is spent). Handover and shutdown saves
+        never ask: they must happen."""
+        rates = info.client.costs.rates()
+        nbytes = rates.file_bytes(tokens)
+        if nbytes is None and self.snapshots is not None:
+            meta = self.snapshots.folder.read_meta(session)
+            nbytes = float(meta.size_bytes) if meta else None
+        written = self.snapshots.writes.last_hour() if self.snapshots is not None else 0
+        if not pricing.within_write_budget(written, nbytes, self.write_budget):
+            metrics.save_skipped("write_budget")
+            log.info("save of %s skipped: %.0f MB written within the hour, the budget is "
+                     "%.0f MB", session, written / 1e6, self.write_budget / 1e6)
+            return NOT_THIS_HOUR
+        stall = rates.save_seconds(nbytes)
+        try:
+            others = any(v.is_processing and v.id != slot for v in info.client.slots())
+        except SlotsUnavailable:
+            others = False
+        if pricing.save_now(stall, others, self.stall_budget):
+            return NOW
+        metrics.save_skipped("stall_budget")
+        log.info("save of %s deferred: ~%.1f s of stall for the other slots' streams "
+                 "(slotkeeper_stall_budget_ms %d)", session, stall or 0.0,
+                 self.stall_budget * 1000)
+        return LATER
 
     def save_slot(self, url: str, info: UpstreamInfo, slot: int, owner: str,
                   messages: int, kind: str = "session") -> int:

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ..decisions import pricing
 from ..upstream.client import ServerProps, Upstream, UpstreamError
 from ..wire.bodies import route_of
 from .snapshots import Snapshots, seed_id
@@ -91,7 +92,7 @@ class SeedBuilder:
             return Taken(0, 0, -1)
         try:
             prompt = self._system_prompt_text(client, *parts)
-            if not prompt:
+            if not prompt or not self._restores_repay(client, prompt):
                 return Taken(0, 0, -1)
             cut = self._prefill(client, slot, prompt)
         except (UpstreamError, KeyError, TypeError, ValueError) as e:
@@ -105,6 +106,20 @@ class SeedBuilder:
                      session, saved, cut[0])
             self._prune()
         return Taken(saved, cut[0], restored)
+
+    @staticmethod
+    def _restores_repay(client: Upstream, prompt: str) -> bool:
+        """A seed only where restoring it beats prefilling the system prompt (pricing): on a
+        large model with a fast GPU it may not, and then every seed is a write for nothing."""
+        rates = client.costs.rates()
+        if rates.kv_bytes_per_token is None:
+            return True
+        tokens = len(client.post_json("/tokenize", {"content": prompt}).get("tokens") or [])
+        if pricing.restore_pays(rates, rates.file_bytes(tokens), tokens):
+            return True
+        log.info("no seed of a %d-token system prompt: restoring it would take longer than "
+                 "prefilling it at this server's speeds", tokens)
+        return False
 
     def _restore(self, client: Upstream, props: ServerProps, slot: int, session: str,
                  messages: int) -> int:

@@ -12,11 +12,13 @@ import logging
 import time
 from collections.abc import Callable
 
+from ..decisions import pricing
 from ..observe import metrics
 from ..store.locks import SlotLocks
 from ..upstream.client import ServerProps, Upstream, UpstreamError
 from .paths import file_name_for
 from .slotfiles import SessionMeta, SlotFolder
+from .writes import WriteWindow
 
 log = logging.getLogger("slotkeeper")
 
@@ -40,6 +42,7 @@ class Snapshots:
         self.locks = locks
         self.clock = clock
         self.lock_timeout = lock_timeout
+        self.writes = WriteWindow()  # bytes saved within the hour: the write budget's count
 
     def check(self, props: ServerProps, snapshot: str, message_count: int) -> tuple[bool, str]:
         return self.folder.check(snapshot, fingerprint=props.fingerprint, n_ctx=props.n_ctx,
@@ -107,7 +110,7 @@ class Snapshots:
         folder.commit_saved(owner, saving)
         now = self.clock()
         size = folder.state_path(owner).stat().st_size
-        _count_save(client, size, n_saved, save_ms)
+        _count_save(client, self.writes, size, n_saved, save_ms)
         folder.secure(owner)
         folder.write_meta(SessionMeta(
             session_id=owner, kind=kind, file_name=file_name_for(owner),
@@ -126,10 +129,13 @@ class Snapshots:
     # ---- restore ---------------------------------------------------------------------------------
 
     def restore(self, client: Upstream, props: ServerProps, slot: int, snapshot: str,
-                message_count: int, notes: list[str], what: str = "") -> int:
+                message_count: int, notes: list[str], what: str = "",
+                useful_tokens: int = 0) -> int:
         """Check and restore a snapshot into the slot under its lock (a save of it cannot swap
         the file between the check and the restore); tokens restored, 0 when it was not
-        usable or failed. A failed restore may leave the slot half-written, so it is erased."""
+        usable, not worth it (`useful_tokens`: what the request will reuse of it, when not all
+        of it: another session's prefix) or failed. A failed restore may leave the slot
+        half-written, so it is erased."""
         lock = self.locks.snapshot(snapshot, self.lock_timeout)
         if lock is None:
             notes.append(f"{what or 'snapshot'} busy: not restored")
@@ -140,6 +146,8 @@ class Snapshots:
                 if reason != "no snapshot":
                     notes.append(f"{what or 'snapshot'} not used: {reason}")
                     metrics.restore_refused(reason)
+                return 0
+            if not self._restore_pays(client, snapshot, what, notes, useful_tokens):
                 return 0
             t0 = time.monotonic()
             try:
@@ -161,6 +169,21 @@ class Snapshots:
                          f"{ms:.0f} ms")
             self._touch_locked(snapshot)
             return restored
+
+    def _restore_pays(self, client: Upstream, snapshot: str, what: str, notes: list[str],
+                      useful_tokens: int) -> bool:
+        """pricing.restore_pays with this server's speeds and the snapshot's own size."""
+        meta = self.folder.read_meta(snapshot)
+        if meta is None:
+            return True
+        rates, tokens = client.costs.rates(), useful_tokens or meta.n_tokens
+        if pricing.restore_pays(rates, meta.size_bytes, tokens):
+            return True
+        metrics.restore_skipped()
+        notes.append(f"{what or 'snapshot'} not restored: reading {meta.size_bytes / 1e6:,.0f} "
+                     f"MB takes ~{rates.restore_seconds(meta.size_bytes) or 0:.1f} s, "
+                     f"prefilling its {tokens:,} tokens ~{rates.prefill_seconds(tokens) or 0:.1f} s")
+        return False
 
     def _touch_locked(self, snapshot: str) -> None:
         """A restored snapshot was used: it is the last one the disk budget should drop."""
@@ -186,10 +209,12 @@ class Snapshots:
             return self.folder.delete(snapshot)
 
 
-def _count_save(client: Upstream, size: int, n_saved: int, save_ms: float) -> None:
-    """A save in the metrics and in the server's measured costs."""
+def _count_save(client: Upstream, writes: WriteWindow, size: int, n_saved: int,
+                save_ms: float) -> None:
+    """A save in the metrics, the server's measured costs and the hour's writes."""
     metrics.slot_op("save", seconds=save_ms / 1000, nbytes=size, tokens=n_saved)
     client.costs.saved(size, n_saved, save_ms)
+    writes.wrote(size)
 
 
 def _count_restore(client: Upstream, answer: dict, restored: int, ms: float) -> None:

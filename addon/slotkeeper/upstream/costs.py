@@ -19,30 +19,15 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
+
+from ..decisions.pricing import Rates
 
 ALPHA = 0.2  # weight of the newest sample: the last ~10 samples dominate
 MIN_PREFILL_TOKENS = 32
 MIN_DECODE_TOKENS = 8
 MIN_SLOT_BYTES = 1024 * 1024
 SIZE_SAMPLES = 32  # (tokens, bytes) of the latest slot calls, for the size line
-
-
-@dataclass(frozen=True)
-class Rates:
-    """The current estimates; None until measured. `samples`: answers and slot calls counted."""
-
-    prefill_tokens_per_s: float | None = None
-    decode_tokens_per_s: float | None = None
-    save_bytes_per_s: float | None = None
-    restore_bytes_per_s: float | None = None
-    kv_bytes_per_token: float | None = None
-    slot_fixed_bytes: float | None = None  # a slot file's size at 0 tokens (the line's)
-    samples: int = 0
-
-    def as_dict(self) -> dict[str, float | int | None]:
-        return {key: (round(value, 3) if isinstance(value, float) else value)
-                for key, value in asdict(self).items()}
 
 
 class Costs:

@@ -216,20 +216,3 @@ def test_a_parents_snapshot_is_restored_for_a_fork_only_when_the_server_will_reu
                                                       parent_chars=29_600),
                                         snapshot_tokens=4_727, snapshot_messages=1) == 0
 
-
-# ---- a save that can wait (issue #31) ---------------------------------------------------------
-
-def test_a_save_that_would_stall_another_stream_past_the_budget_waits():
-    assert not policy.save_now(predicted_stall=2.0, others_generating=True, budget=0.5)
-
-
-def test_a_save_runs_when_no_other_slot_generates_whatever_it_costs():
-    assert policy.save_now(predicted_stall=60.0, others_generating=False, budget=0.5)
-
-
-def test_a_save_within_the_budget_runs_beside_other_streams():
-    assert policy.save_now(predicted_stall=0.007, others_generating=True, budget=0.5)
-
-
-def test_a_save_of_unknown_cost_runs_and_so_measures_the_speed():
-    assert policy.save_now(predicted_stall=None, others_generating=True, budget=0.5)

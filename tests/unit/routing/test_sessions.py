@@ -64,10 +64,11 @@ def test_a_rebuilt_prompt_continues_and_a_new_conversation_forks_from_its_prefix
     assert fork.prefix.items == 3  # the system block and the example exchange
 
 
-def test_a_new_opening_starts_from_any_conversation_with_its_long_system_block(tmp_path):
+def test_a_new_opening_starts_from_any_conversation_with_its_system_block(tmp_path):
     """An agent's memory request (a long system prompt, then a transcript that grows: no two
     share an opening) starts from the last one's prefix, as llama-server's own cache would
-    (issue #23); a short system block is not worth a restore."""
+    (issue #23); so does a new conversation of a short system block (issue #32: whether the
+    restore pays is priced when it happens)."""
     s = sessions(tmp_path)  # small requests: under 100 characters
     memory = {"role": "system", "content": "remember " * 40}
     first = s.resolve(URL, ask([memory, {"role": "user", "content": "transcript: t1"}]))
@@ -86,13 +87,15 @@ def test_a_new_opening_starts_from_any_conversation_with_its_long_system_block(t
     one = s.resolve(URL, ask([short, {"role": "user", "content": "a question " * 20}]))
     s.remember(URL, one.session_id, one)
     other = s.resolve(URL, ask([short, {"role": "user", "content": "another one " * 20}]))
-    assert other.session_id != one.session_id and other.prefix is None
+    assert other.session_id != one.session_id
+    assert other.prefix is not None and other.prefix.session == one.session_id
+    assert other.prefix.chars == other.chain_chars[0]  # the block, not the question
 
 
-def test_a_new_header_session_takes_the_latest_conversation_with_its_long_block(tmp_path):
+def test_a_new_header_session_takes_the_latest_conversation_with_its_block(tmp_path):
     """The second conversation of a system prompt (its own session id) gets the first as its
-    parent, as a content request that opens something new does; never itself, never for a
-    short block, never a content-identified request (those fork in `resolve`)."""
+    parent, as a content request that opens something new does, whatever the block's length;
+    never itself, never a content-identified request (those fork in `resolve`)."""
     s = sessions(tmp_path)  # small requests: under 100 characters
     system = {"role": "system", "content": "you are an agent " * 20}
     first = ask([system, {"role": "user", "content": "task one"}], {"x-session-id": "one"})
@@ -112,6 +115,6 @@ def test_a_new_header_session_takes_the_latest_conversation_with_its_long_block(
     s.remember(URL, "three", ask([short, {"role": "user", "content": "q " * 60}],
                                  {"x-session-id": "three"}))
     fourth = ask([short, {"role": "user", "content": "r " * 60}], {"x-session-id": "four"})
-    assert s.with_parent(URL, fourth).prefix is None
+    assert s.with_parent(URL, fourth).prefix.session == "three"
     content = ask([system, {"role": "user", "content": "task five"}])
     assert content.rule == "content" and s.with_parent(URL, content) is content
