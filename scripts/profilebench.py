@@ -172,6 +172,7 @@ def io_summary(entries: Sequence[dict[str, Any]], since: float | None = None,
     return {
         "proxy_reads": len(reads) - len(restores),
         "proxy_read_bytes": sum(e["read"] for e in reads if e not in restores),
+        "proxy_read_charged": round(sum(e.get("charged", 0) for e in reads if e not in restores)),
         "bytes_written": sum(e["written"] for e in keep),
         "bytes_read": sum(e["read"] for e in keep),
         # bytes as KV of a model without a sliding window (scripts/throttlelog.py charged())
@@ -220,8 +221,9 @@ def stream_gaps(streams: Sequence[dict[str, Any]],
         for a, b in zip(times, times[1:]):
             gap = b - a
             gaps.append(gap)
+            # a save or restore that took at least 50 ms of the gap (or a tenth of it)
             overlap = [(k, p, round(min(b, e) - max(a, st), 3)) for st, e, k, p in intervals
-                       if st < b and e > a]
+                       if min(b, e) - max(a, st) >= min(0.05, gap / 10)]
             row = {"gap_s": round(gap, 3), "request": s["key"], "io": overlap}
             if worst is None or gap > worst["gap_s"]:
                 worst = row
@@ -275,11 +277,15 @@ def project(run: dict[str, Any], profile: Profile, per_token: float) -> dict[str
     kv = profile.kv_bytes_per_token
     saved = sum(io.get("save_charged", [])) / per_token * kv
     restored = sum(io.get("restore_charged", [])) / per_token * kv
+    # slotkeeper reads a snapshot in full itself (its crc32) after each save and before each
+    # restore: disk time too, before a restore on the request's path
+    checked = io.get("proxy_read_charged", 0) / per_token * kv
     parts = {
         "prefill_s": counts["prefilled"] / profile.prefill_tps,
         "decode_s": counts["decoded"] / profile.decode_tps,
         "save_s": saved / profile.save_bps,
         "restore_s": restored / profile.restore_bps,
+        "proxy_read_s": checked / profile.restore_bps,
     }
     return {k: round(v, 2) for k, v in parts.items()} | {
         "total_s": round(sum(parts.values()), 2),
