@@ -142,23 +142,27 @@ def make_etcd(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     clusters: list = []
 
     def make(size: int = 3) -> Any:
-        cluster = next(_etcd(tmp_path / f"etcd{len(clusters)}", size))
+        cluster = _etcd_cluster(tmp_path / f"etcd{len(clusters)}", size)
         clusters.append(cluster)
-        return cluster
+        return cluster.start()
 
     yield make
     for cluster in clusters:
         cluster.stop()
 
 
-def _etcd(folder: Path, size: int) -> Iterator[Any]:
+def _etcd_cluster(folder: Path, size: int) -> Any:
     from etcd_cluster import EtcdCluster
     try:
-        cluster = EtcdCluster(folder, size)
+        return EtcdCluster(folder, size)
     except FileNotFoundError as e:
         pytest.fail(str(e), pytrace=False)
-    cluster.start()
+
+
+def _etcd(folder: Path, size: int) -> Iterator[Any]:
+    cluster = _etcd_cluster(folder, size)
     try:
+        cluster.start()
         yield cluster
     finally:
         cluster.stop()

@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+from urllib.parse import urlsplit
 
-from .etcd_conn import EtcdConnection, StoreUnavailable, parse_endpoints
-from .etcd_locks import EtcdLocks
-from .etcd_state import EtcdState
 from .locks import SlotLease, SlotLocks
 from .state import StateDoc, StateFile
+
+if TYPE_CHECKING:  # the etcd modules need the `etcd` extra: imported only when chosen
+    from .etcd_conn import EtcdConnection
 
 log = logging.getLogger("slotkeeper.state")
 
@@ -57,6 +58,28 @@ class Store:
             self.etcd.close()
 
 
+def parse_endpoints(text: str) -> tuple[str, ...]:
+    """`host:port` or `http(s)://host:port`, comma-separated; ValueError says which is bad."""
+    endpoints = []
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        url = item if "://" in item else f"http://{item}"
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError as e:
+            raise ValueError(f"{item!r}: {e}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname or port is None \
+                or parts.path not in ("", "/") or parts.query or parts.username:
+            raise ValueError(f"{item!r} is not host:port or http(s)://host:port")
+        endpoints.append(f"{parts.scheme}://{parts.netloc}")
+    if not endpoints:
+        raise ValueError("no endpoint given")
+    return tuple(endpoints)
+
+
 def check_prefix(prefix: str) -> str:
     """Printable ASCII without spaces, ending in '/': it is the start of every key."""
     if not prefix or not all("!" <= c <= "~" for c in prefix):
@@ -73,6 +96,12 @@ def open_store(state_path: Path, etcd: str = "", prefix: str = DEFAULT_PREFIX,
         return Store(StateFile(state_path), SlotLocks(state_path.parent / "locks"))
     endpoints = parse_endpoints(etcd)
     prefix = check_prefix(prefix)
+    try:
+        from .etcd_conn import EtcdConnection, StoreUnavailable
+        from .etcd_locks import EtcdLocks
+        from .etcd_state import EtcdState
+    except ImportError as e:
+        raise ValueError(f"{e}: install slotkeeper[etcd] (etcd3gw) to use etcd") from None
     conn = EtcdConnection(endpoints, lease_ttl)
     store = Store(EtcdState(conn, prefix), EtcdLocks(conn, prefix), conn)
     try:

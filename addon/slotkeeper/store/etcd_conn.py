@@ -9,6 +9,7 @@ mitmproxy's own pins (docs/DESIGN.md, "Beyond one machine")."""
 
 from __future__ import annotations
 
+import atexit
 import base64
 import logging
 import threading
@@ -32,28 +33,6 @@ REQUEST_TIMEOUT = 2.0  # one call to one member; a lost quorum answers nothing u
 class StoreUnavailable(RuntimeError):
     """etcd did not answer (every endpoint refused, timed out or has no quorum). The caller
     passes its request through unpinned: the store is a speed-up, never a reason to fail."""
-
-
-def parse_endpoints(text: str) -> tuple[str, ...]:
-    """`host:port` or `http(s)://host:port`, comma-separated; ValueError says which is bad."""
-    endpoints = []
-    for raw in text.split(","):
-        item = raw.strip()
-        if not item:
-            continue
-        url = item if "://" in item else f"http://{item}"
-        try:
-            parts = urlsplit(url)
-            port = parts.port
-        except ValueError as e:
-            raise ValueError(f"{item!r}: {e}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname or port is None \
-                or parts.path not in ("", "/") or parts.query or parts.username:
-            raise ValueError(f"{item!r} is not host:port or http(s)://host:port")
-        endpoints.append(f"{parts.scheme}://{parts.netloc}")
-    if not endpoints:
-        raise ValueError("no endpoint given")
-    return tuple(endpoints)
 
 
 def b64(data: str | bytes) -> str:
@@ -89,6 +68,9 @@ class EtcdConnection:
         self._thread = threading.Thread(target=self._keep_alive, name="slotkeeper-etcd",
                                         daemon=True)
         self._thread.start()
+        # A clean exit (SIGTERM: mitmproxy shuts down, then the interpreter) revokes the lease,
+        # so the slots are free at once rather than after the TTL.
+        atexit.register(self.close)
 
     @property
     def reachable(self) -> bool:

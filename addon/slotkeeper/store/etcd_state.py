@@ -30,6 +30,8 @@ class EtcdState:
     def __init__(self, conn: EtcdConnection, prefix: str) -> None:
         self.conn = conn
         self.key = prefix + "state"
+        # What the addon compares to adopt a reconfigured router's knowledge (StateFile.path)
+        self.path = f"etcd {','.join(conn.endpoints)} {self.key}"
         self._cached: tuple[int, StateDoc] | None = None  # (mod_revision, document)
         self._mutex = threading.Lock()  # one writer thread at a time inside this process
 
