@@ -16,7 +16,8 @@ from testbed import long_system_prompt
 
 TTL = 3  # seconds: a killed proxy's slot leases must be gone within this
 OPTIONS = {"slotkeeper_idle_save_seconds": 1, "slotkeeper_max_seeds": 0,
-           "slotkeeper_etcd_lease_ttl": TTL, "slotkeeper_lock_timeout": 60}
+           "slotkeeper_etcd_lease_ttl": TTL, "slotkeeper_lock_timeout": 60,
+           "slotkeeper_small_request_chars": 500}  # 300-word prompts are sessions here
 
 
 def proxies(make_proxy, server, slot_dir: Path, endpoints: str, count: int, prefix: str):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
 from .locks import SlotLease, SlotLocks
-from .state import StateDoc, StateFile
+from .state import StateDoc, StateFile, StoreUnavailable
 
 if TYPE_CHECKING:  # the etcd modules need the `etcd` extra: imported only when chosen
     from .etcd_conn import EtcdConnection
@@ -48,10 +48,7 @@ class Store:
 
     def describe(self) -> str:
         """For `slotkeeper status` and the log: which store, and whether it answers."""
-        if self.etcd is None:
-            return f"state file {getattr(self.state, 'path', '')}"
-        answer = "reachable" if self.etcd.reachable else "UNREACHABLE (requests pass unpinned)"
-        return f"etcd {','.join(self.etcd.endpoints)}: {answer}"
+        return describe(store_of(self.state))
 
     def close(self) -> None:
         if self.etcd is not None:
@@ -80,6 +77,22 @@ def parse_endpoints(text: str) -> tuple[str, ...]:
     return tuple(endpoints)
 
 
+def store_of(state: State) -> dict:
+    """Which store holds `state`, and whether it answers (the session API's "store")."""
+    conn = getattr(state, "conn", None)  # EtcdState's; the file has none
+    if conn is None:
+        return {"kind": "file", "where": str(getattr(state, "path", "")), "reachable": True}
+    return {"kind": "etcd", "where": ",".join(conn.endpoints), "reachable": conn.reachable}
+
+
+def describe(store: dict) -> str:
+    if store.get("kind") != "etcd":
+        return f"state file {store.get('where', '')}"
+    answer = ("reachable" if store.get("reachable")
+              else "UNREACHABLE: requests pass through unpinned until it answers")
+    return f"etcd {store.get('where', '')}, {answer}"
+
+
 def check_prefix(prefix: str) -> str:
     """Printable ASCII without spaces, ending in '/': it is the start of every key."""
     if not prefix or not all("!" <= c <= "~" for c in prefix):
@@ -97,7 +110,7 @@ def open_store(state_path: Path, etcd: str = "", prefix: str = DEFAULT_PREFIX,
     endpoints = parse_endpoints(etcd)
     prefix = check_prefix(prefix)
     try:
-        from .etcd_conn import EtcdConnection, StoreUnavailable
+        from .etcd_conn import EtcdConnection
         from .etcd_locks import EtcdLocks
         from .etcd_state import EtcdState
     except ImportError as e:

@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 import etcd3gw
 from etcd3gw import exceptions as etcd_errors
 
+from .state import StoreUnavailable
+
 log = logging.getLogger("slotkeeper.etcd")
 T = TypeVar("T")
 
@@ -28,11 +30,6 @@ T = TypeVar("T")
 # cluster); the keep-alive thread probes meanwhile, so pinning resumes within about this.
 DOWN_RETRY_SECONDS = 1.0
 REQUEST_TIMEOUT = 2.0  # one call to one member; a lost quorum answers nothing until then
-
-
-class StoreUnavailable(RuntimeError):
-    """etcd did not answer (every endpoint refused, timed out or has no quorum). The caller
-    passes its request through unpinned: the store is a speed-up, never a reason to fail."""
 
 
 def b64(data: str | bytes) -> str:

@@ -14,7 +14,8 @@ import hashlib
 import secrets
 import threading
 
-from .etcd_conn import EtcdConnection, StoreUnavailable, b64, range_end
+from .etcd_conn import EtcdConnection, b64, range_end
+from .state import StoreUnavailable
 from .locks import SlotLease, _poll
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from slotkeeper.store.backends import check_prefix, open_store
 from slotkeeper.store.backends import parse_endpoints
-from slotkeeper.store.etcd_conn import StoreUnavailable
+from slotkeeper.store.state import StoreUnavailable
 from slotkeeper.store.state import SlotRecord
 
 
