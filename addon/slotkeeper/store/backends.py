@@ -118,7 +118,7 @@ def open_store(state_path: Path, etcd: str = "", prefix: str = DEFAULT_PREFIX,
     conn = EtcdConnection(endpoints, lease_ttl)
     store = Store(EtcdState(conn, prefix), EtcdLocks(conn, prefix), conn)
     try:
-        conn.call(lambda c: c.status())
+        conn.call(conn.probe, probe=True)
         log.info("state in etcd %s under %s (lease TTL %d s)", ",".join(endpoints), prefix,
                  lease_ttl)
     except StoreUnavailable as e:

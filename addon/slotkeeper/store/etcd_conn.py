@@ -55,7 +55,6 @@ class EtcdConnection:
         self.lease_ttl = lease_ttl
         self._clients = [_client(url) for url in endpoints]
         self._good = 0  # the endpoint that answered last: tried first
-        self._down_until = 0.0
         self.down_since: float | None = None  # monotonic; None while etcd answers
         self.failures = 0  # calls that found every endpoint down (a counter for /metrics)
         self._lease_id: int | None = None
@@ -73,10 +72,12 @@ class EtcdConnection:
     def reachable(self) -> bool:
         return self.down_since is None
 
-    def call(self, fn: Callable[[etcd3gw.client.Etcd3Client], T]) -> T:
-        """`fn` against the last good endpoint, then the others. StoreUnavailable at once
-        while the cluster is known down, else once every endpoint failed."""
-        if time.monotonic() < self._down_until:
+    def call(self, fn: Callable[[etcd3gw.client.Etcd3Client], T], probe: bool = False) -> T:
+        """`fn` against the last good endpoint, then the others. While the cluster is known
+        down, StoreUnavailable at once: only the keep-alive thread (`probe`) tries it, so no
+        request (and never the event loop, where a kept slot's lease is taken) waits on a
+        dead cluster or a member without quorum."""
+        if self.down_since is not None and not probe:
             raise StoreUnavailable(f"etcd {','.join(self.endpoints)} unreachable")
         errors = []
         start = self._good
@@ -93,7 +94,6 @@ class EtcdConnection:
                 self.down_since = None
             return result
         self.failures += 1
-        self._down_until = time.monotonic() + DOWN_RETRY_SECONDS
         if self.down_since is None:
             self.down_since = time.monotonic()
             log.warning("etcd unreachable (%s): requests pass through unpinned until it "
@@ -117,9 +117,10 @@ class EtcdConnection:
         with self._lease_mutex:
             lease_id = self._lease_id
         if lease_id is None:
-            self.call(lambda c: c.status())  # only a probe: is the cluster back?
+            self.call(self.probe, probe=True)
             return
-        answer = self.call(lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": lease_id}))
+        answer = self.call(lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": lease_id}),
+                           probe=True)
         if int(answer.get("result", {}).get("TTL", -1)) <= 0:
             log.warning("etcd lease %x expired (etcd was unreachable for longer than %d s): "
                         "the slot locks held on it are gone; a new lease is taken",
@@ -127,6 +128,11 @@ class EtcdConnection:
             with self._lease_mutex:
                 if self._lease_id == lease_id:
                     self._lease_id = None
+
+    @staticmethod
+    def probe(client: etcd3gw.client.Etcd3Client) -> Any:
+        """A linearizable read: answered only with a quorum (a member's status is not)."""
+        return client.post(client.get_url("/kv/range"), json={"key": b64("/health")})
 
     def defer(self, delete: Callable[[], Any]) -> None:
         """A release etcd did not get: retried by the keep-alive thread, since the key would
@@ -139,7 +145,7 @@ class EtcdConnection:
             pending, self._pending_deletes = self._pending_deletes, []
         for i, delete in enumerate(pending):
             try:
-                delete()
+                delete()  # the refresh just succeeded: etcd is marked up again
             except StoreUnavailable:
                 with self._lease_mutex:
                     self._pending_deletes.extend(pending[i:])
@@ -147,18 +153,22 @@ class EtcdConnection:
 
     def _keep_alive(self) -> None:
         """Refresh every third of the TTL (Patroni's rule, loop_wait + 2 * retry_timeout <=
-        ttl, holds with REQUEST_TIMEOUT per member), every second while etcd is down."""
+        ttl, holds with REQUEST_TIMEOUT per member); while etcd is down, probe every second,
+        so pinning resumes within about a second of its return."""
+        last = -float("inf")
         while not self._stop.is_set():
-            try:
-                self._refresh()
-                self._retry_deletes()
-                wait = max(0.5, self.lease_ttl / 3)
-            except StoreUnavailable:
-                wait = DOWN_RETRY_SECONDS
-            except Exception:  # the keep-alive must outlive any one failure
-                log.exception("etcd keep-alive failed")
-                wait = DOWN_RETRY_SECONDS
-            self._stop.wait(wait)
+            due = self.down_since is not None or self._pending_deletes or (
+                time.monotonic() - last >= self.lease_ttl / 3)
+            if due:
+                try:
+                    self._refresh()
+                    self._retry_deletes()
+                    last = time.monotonic()
+                except StoreUnavailable:
+                    pass
+                except Exception:  # the keep-alive must outlive any one failure
+                    log.exception("etcd keep-alive failed")
+            self._stop.wait(DOWN_RETRY_SECONDS)
 
     def close(self) -> None:
         """Stop the keep-alive and revoke the lease: this process's locks go at once (on a
@@ -168,7 +178,8 @@ class EtcdConnection:
             lease_id, self._lease_id = self._lease_id, None
         if lease_id is not None:
             try:
-                self.call(lambda c: c.post(c.get_url("/kv/lease/revoke"), json={"ID": lease_id}))
+                self.call(lambda c: c.post(c.get_url("/kv/lease/revoke"), json={"ID": lease_id}),
+                          probe=True)
             except StoreUnavailable:
                 pass
 
