@@ -99,8 +99,24 @@ def test_a_killed_proxy_frees_its_slots_and_the_session_goes_on(make_llama, make
     print(f"next turn through the other proxy answered {waited:.1f} s after the kill "
           f"({second.action}, cache_n {second.cache_n} of {second.prompt_tokens})")
     assert second.action is not None, "passed through unpinned"
-    assert waited < TTL + 15, waited  # the lease went within the TTL (+ the stream's end)
+    assert waited < TTL + 15, waited
     assert second.cache_n >= 0.9 * first.prompt_tokens, (first, second)
+    # The killed proxy's slot lease (a key on its etcd lease) is gone within the TTL: after
+    # that nothing is held (B released its own lease when its answer ended).
+    while lock_keys(etcd, "/kill/") and time.monotonic() - killed < TTL + 5:
+        time.sleep(0.1)
+    gone = time.monotonic() - killed
+    print(f"the killed proxy's slot lease was gone {gone:.1f} s after the kill (TTL {TTL} s)")
+    assert not lock_keys(etcd, "/kill/"), lock_keys(etcd, "/kill/")
+    assert gone <= TTL + 1.5, gone
+
+
+def lock_keys(etcd, prefix: str) -> list[str]:
+    """The slot leases and named locks held under `prefix`, read from etcd itself."""
+    import etcd3gw
+    port = int(etcd.members[-1].endpoint.rsplit(":", 1)[1])
+    return [meta["key"].decode() for _, meta in etcd3gw.client(port=port).get_prefix(prefix)
+            if not meta["key"].endswith(b"/state")]
 
 
 def test_etcd_members_lost_and_back(make_llama, make_proxy, make_etcd, tmp_path):
