@@ -4,6 +4,8 @@ import subprocess
 import sys
 import time
 
+from store_backends import backend  # noqa: F401 - the fixture
+
 from slotkeeper.store.locks import SlotLocks
 
 

@@ -5,6 +5,8 @@ import multiprocessing
 import os
 import stat
 
+from store_backends import backend  # noqa: F401 - the fixture
+
 from slotkeeper.store.state import SlotRecord, StateDoc, StateFile
 
 

@@ -1,5 +1,8 @@
 """The store tests run against both backends (issue #33): the JSON file and flock, and a real
-3-member etcd cluster (each test under a prefix of its own)."""
+3-member etcd cluster (each test under a prefix of its own). A test module takes the fixture
+with `from store_backends import backend` (a conftest.py under tests/unit would do too, but
+pytest then hashes every plugin for the tests outside it, and the reliability recorder's
+plugin is an unhashable dataclass)."""
 
 from __future__ import annotations
 
