@@ -26,8 +26,8 @@ from .state import StoreUnavailable
 log = logging.getLogger("slotkeeper.etcd")
 T = TypeVar("T")
 
-# After every endpoint failed, calls fail at once for this long (no request waits on a dead
-# cluster); the keep-alive thread probes meanwhile, so pinning resumes within about this.
+# Once every endpoint failed, calls fail at once (no request waits on a dead cluster) and the
+# keep-alive thread probes this often, so pinning resumes about this long after etcd returns.
 DOWN_RETRY_SECONDS = 1.0
 REQUEST_TIMEOUT = 2.0  # one call to one member; a lost quorum answers nothing until then
 
@@ -168,7 +168,7 @@ class EtcdConnection:
                     pass
                 except Exception:  # the keep-alive must outlive any one failure
                     log.exception("etcd keep-alive failed")
-            self._stop.wait(DOWN_RETRY_SECONDS)
+            self._stop.wait(min(DOWN_RETRY_SECONDS, self.lease_ttl / 3))
 
     def close(self) -> None:
         """Stop the keep-alive and revoke the lease: this process's locks go at once (on a
