@@ -143,3 +143,27 @@ def test_the_addon_runs_on_etcd(tmp_path, etcd_cluster):
         assert keeper.router.state.key == "/addon/state"
         keeper.pool.shutdown()
         keeper.release_pool.shutdown()
+
+
+def test_status_and_metrics_say_which_store_and_whether_it_answers(tmp_path):
+    from types import SimpleNamespace
+
+    from slotkeeper.launcher.status import Report, render
+    from slotkeeper.manage.scrape import StoreHealth
+    from slotkeeper.store.backends import store_of
+
+    store = open_store(tmp_path / "s.json", "127.0.0.1:1", "/nothing/")  # nothing listens
+    try:
+        assert store_of(store.state) == {"kind": "etcd", "where": "http://127.0.0.1:1",
+                                         "reachable": False}
+        text = render(Report("proxy", "http://127.0.0.1:8000", store=store_of(store.state)))
+        assert "Store: etcd http://127.0.0.1:1, UNREACHABLE" in text, text
+        health = StoreHealth()
+        health.keeper = SimpleNamespace(router=SimpleNamespace(state=store.state))
+        values = {s.name: s.value for family in health.collect() for s in family.samples}
+        assert values["slotkeeper_store_reachable"] == 0
+        assert values["slotkeeper_store_unreachable_total"] >= 1
+    finally:
+        store.close()
+    file_store = open_store(tmp_path / "s.json")
+    assert "Store: state file" in render(Report("proxy", "x", store=store_of(file_store.state)))
