@@ -4,7 +4,7 @@ lease TTL on a SIGKILL, at once on a clean exit).
 
 Keys, under the prefix (names are digests: upstream URLs and session ids never become keys):
   slots/<upstream digest>/<slot>/ex         an exclusive holder (value: its token)
-  slots/<upstream digest>/<slot>/sh/<lease> this process holds the slot shared
+  slots/<upstream digest>/<slot>/sh/<lease> this process holds the slot shared (value: token)
   locks/<kind>/<name digest>                a snapshot or placement lock (value: its token)
 Exclusive: put only if nothing is under the slot's key range. Shared: put only if no `ex`."""
 
@@ -31,7 +31,8 @@ class EtcdLocks:
     def __init__(self, conn: EtcdConnection, prefix: str) -> None:
         self.conn = conn
         self.prefix = prefix
-        self._shared: dict[tuple[str, int], list] = {}  # key -> [etcd key, holders]
+        # (upstream, slot) -> [etcd key, its token, holders]
+        self._shared: dict[tuple[str, int], list] = {}
         self._mutex = threading.Lock()
 
     def _slot_prefix(self, upstream: str, slot: int) -> str:
@@ -51,21 +52,24 @@ class EtcdLocks:
         key = (upstream, slot)
         with self._mutex:
             entry = self._shared.get(key)
-            if entry is None or entry[1] == 0:
+            if entry is None or entry[2] == 0:
                 base = self._slot_prefix(upstream, slot)
                 own = f"{base}sh/{self.conn.lease_id():x}"
-                if not self._txn([_absent(base + "ex")], own, "sh"):
+                # A token, so that a release etcd got late (retried after a blip) cannot
+                # delete the key of the holders that came after it.
+                token = secrets.token_hex(8)
+                if not self._txn([_absent(base + "ex")], own, token):
                     return None
-                entry = self._shared[key] = [own, 0]
-            entry[1] += 1
+                entry = self._shared[key] = [own, token, 0]
+            entry[2] += 1
             return SlotLease(-1, exclusive=False, on_release=lambda: self._release_shared(key))
 
     def _release_shared(self, key: tuple[str, int]) -> None:
         with self._mutex:
             entry = self._shared[key]
-            entry[1] -= 1
-            if entry[1] == 0:
-                self._delete(entry[0], None)
+            entry[2] -= 1
+            if entry[2] == 0:
+                self._delete(entry[0], entry[1])
 
     def acquire(self, upstream: str, slot: int, exclusive: bool,
                 timeout: float) -> SlotLease | None:
@@ -111,11 +115,10 @@ class EtcdLocks:
                                             "lease": str(lease)}}]}
         return bool(self.conn.call(lambda c: c.transaction(txn)).get("succeeded"))
 
-    def _delete(self, key: str, token: str | None) -> None:
-        """Release never blocks long and never raises: a delete etcd does not get is retried
-        by the connection's keep-alive thread."""
-        compare = [] if token is None else [{"key": b64(key), "target": "VALUE",
-                                             "result": "EQUAL", "value": b64(token)}]
+    def _delete(self, key: str, token: str) -> None:
+        """Delete `key` while it still holds `token`. Release never blocks long and never
+        raises: a delete etcd does not get is retried by the connection's keep-alive thread."""
+        compare = [{"key": b64(key), "target": "VALUE", "result": "EQUAL", "value": b64(token)}]
         txn = {"compare": compare, "success": [{"request_delete_range": {"key": b64(key)}}]}
 
         def delete() -> None:
