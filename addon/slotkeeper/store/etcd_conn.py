@@ -30,6 +30,9 @@ T = TypeVar("T")
 # keep-alive thread probes this often, so pinning resumes about this long after etcd returns.
 DOWN_RETRY_SECONDS = 1.0
 REQUEST_TIMEOUT = 2.0  # one call to one member; a lost quorum answers nothing until then
+# A probe is one small read: a member with a quorum answers it in milliseconds, so a short
+# bound keeps the members still without a leader from delaying the return of the others.
+PROBE_TIMEOUT = 0.5
 
 
 def b64(data: str | bytes) -> str:
@@ -53,7 +56,8 @@ class EtcdConnection:
     def __init__(self, endpoints: tuple[str, ...], lease_ttl: int) -> None:
         self.endpoints = endpoints
         self.lease_ttl = lease_ttl
-        self._clients = [_client(url) for url in endpoints]
+        self._clients = [_client(url, REQUEST_TIMEOUT) for url in endpoints]
+        self._probes = [_client(url, PROBE_TIMEOUT) for url in endpoints]
         self._good = 0  # the endpoint that answered last: tried first
         self.down_since: float | None = None  # monotonic; None while etcd answers
         self.failures = 0  # calls that found every endpoint down (a counter for /metrics)
@@ -81,10 +85,11 @@ class EtcdConnection:
             raise StoreUnavailable(f"etcd {','.join(self.endpoints)} unreachable")
         errors = []
         start = self._good
-        for i in range(len(self._clients)):
-            index = (start + i) % len(self._clients)
+        clients = self._probes if probe else self._clients
+        for i in range(len(clients)):
+            index = (start + i) % len(clients)
             try:
-                result = fn(self._clients[index])
+                result = fn(clients[index])
             except etcd_errors.Etcd3Exception as e:
                 errors.append(f"{self.endpoints[index]}: {type(e).__name__}")
                 continue
@@ -184,7 +189,7 @@ class EtcdConnection:
                 pass
 
 
-def _client(url: str) -> etcd3gw.client.Etcd3Client:
+def _client(url: str, timeout: float) -> etcd3gw.client.Etcd3Client:
     parts = urlsplit(url)
     return etcd3gw.client(host=parts.hostname or "", port=parts.port or 2379,
-                          protocol=parts.scheme, timeout=REQUEST_TIMEOUT, api_path="/v3/")
+                          protocol=parts.scheme, timeout=timeout, api_path="/v3/")
