@@ -209,6 +209,8 @@ def build(opts) -> Settings:
         store = backends.open_store(state_path, opts.slotkeeper_etcd,
                                     opts.slotkeeper_etcd_prefix, opts.slotkeeper_etcd_lease_ttl)
         state, locks = store.state, store.locks
+    except ValueError as e:  # the etcd client is not installed (the `etcd` extra)
+        raise exceptions.OptionsError(f"slotkeeper_etcd: {e}") from None
     except OSError as e:
         raise exceptions.OptionsError(f"slotkeeper_state_file {state_path}: {e}") from None
     folder, problem = None, ""
