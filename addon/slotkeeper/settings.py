@@ -37,6 +37,7 @@ def default_state_dir() -> Path:
 def declare(loader) -> None:
     _declare_routing(loader)
     _declare_storage(loader)
+    _declare_save_timing(loader)
 
 
 def _declare_routing(loader) -> None:
@@ -65,17 +66,8 @@ def _declare_routing(loader) -> None:
                       "saving and restoring sessions.")
 
 
-def _declare_storage(loader) -> None:
-    loader.add_option("slotkeeper_min_save_tokens", int, 256,
-                      "Sessions with fewer tokens are not saved (re-prefilling them is "
-                      "cheap).")
-    loader.add_option("slotkeeper_keep_prefix", bool, True,
-                      "On a handover with nothing to restore, keep the slot's old content "
-                      "instead of erasing it, so llama-server reuses what the new prompt "
-                      "shares with it (as it would alone); false erases it.")
-    loader.add_option("slotkeeper_save_every_tokens", int, 2048,
-                      "Save a session that keeps its slot each time it grew by this many "
-                      "tokens since its last save.")
+def _declare_save_timing(loader) -> None:
+    """When the saves that need not happen now run (issue #31)."""
     loader.add_option("slotkeeper_idle_save_seconds", int, 5,
                       "Save a session that grew once it has been idle this long (0: never), "
                       "so a crash of llama-server loses at most the turn in flight.")
@@ -88,6 +80,19 @@ def _declare_storage(loader) -> None:
                       "MiB that idle and periodic saves may write into the slot folder within "
                       "an hour (0: no limit); past it they are skipped until the hour's "
                       "writes age out. Handover and shutdown saves always run and count.")
+
+
+def _declare_storage(loader) -> None:
+    loader.add_option("slotkeeper_min_save_tokens", int, 256,
+                      "Sessions with fewer tokens are not saved (re-prefilling them is "
+                      "cheap).")
+    loader.add_option("slotkeeper_keep_prefix", bool, True,
+                      "On a handover with nothing to restore, keep the slot's old content "
+                      "instead of erasing it, so llama-server reuses what the new prompt "
+                      "shares with it (as it would alone); false erases it.")
+    loader.add_option("slotkeeper_save_every_tokens", int, 2048,
+                      "Save a session that keeps its slot each time it grew by this many "
+                      "tokens since its last save.")
     loader.add_option("slotkeeper_seed_min_chars", int, 2000,
                       "System prompts (plus tools) at least this long get a seed: their KV "
                       "saved once and restored into new sessions' slots.")
