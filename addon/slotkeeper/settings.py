@@ -16,8 +16,7 @@ from .decisions import placement
 from .identity.identity import IdentityConfig
 from .routing.routes import RouterConfig
 from .snapshots.slotfiles import SlotFolder
-from .store.locks import SlotLocks
-from .store.state import StateFile
+from .store import backends
 from .upstream.client import UPSTREAM_KEY_ENV, UPSTREAM_KEY_OPTION
 
 log = logging.getLogger("slotkeeper")
@@ -38,6 +37,7 @@ def default_state_dir() -> Path:
 def declare(loader) -> None:
     _declare_routing(loader)
     _declare_storage(loader)
+    _declare_save_timing(loader)
 
 
 def _declare_routing(loader) -> None:
@@ -66,17 +66,8 @@ def _declare_routing(loader) -> None:
                       "saving and restoring sessions.")
 
 
-def _declare_storage(loader) -> None:
-    loader.add_option("slotkeeper_min_save_tokens", int, 256,
-                      "Sessions with fewer tokens are not saved (re-prefilling them is "
-                      "cheap).")
-    loader.add_option("slotkeeper_keep_prefix", bool, True,
-                      "On a handover with nothing to restore, keep the slot's old content "
-                      "instead of erasing it, so llama-server reuses what the new prompt "
-                      "shares with it (as it would alone); false erases it.")
-    loader.add_option("slotkeeper_save_every_tokens", int, 2048,
-                      "Save a session that keeps its slot each time it grew by this many "
-                      "tokens since its last save.")
+def _declare_save_timing(loader) -> None:
+    """When the saves that need not happen now run (issue #31)."""
     loader.add_option("slotkeeper_idle_save_seconds", int, 5,
                       "Save a session that grew once it has been idle this long (0: never), "
                       "so a crash of llama-server loses at most the turn in flight.")
@@ -89,6 +80,19 @@ def _declare_storage(loader) -> None:
                       "MiB that idle and periodic saves may write into the slot folder within "
                       "an hour (0: no limit); past it they are skipped until the hour's "
                       "writes age out. Handover and shutdown saves always run and count.")
+
+
+def _declare_storage(loader) -> None:
+    loader.add_option("slotkeeper_min_save_tokens", int, 256,
+                      "Sessions with fewer tokens are not saved (re-prefilling them is "
+                      "cheap).")
+    loader.add_option("slotkeeper_keep_prefix", bool, True,
+                      "On a handover with nothing to restore, keep the slot's old content "
+                      "instead of erasing it, so llama-server reuses what the new prompt "
+                      "shares with it (as it would alone); false erases it.")
+    loader.add_option("slotkeeper_save_every_tokens", int, 2048,
+                      "Save a session that keeps its slot each time it grew by this many "
+                      "tokens since its last save.")
     loader.add_option("slotkeeper_seed_min_chars", int, 2000,
                       "System prompts (plus tools) at least this long get a seed: their KV "
                       "saved once and restored into new sessions' slots.")
@@ -116,6 +120,16 @@ def _declare_storage(loader) -> None:
                       "Bearer token for the management endpoints (/api/..., /slotkeeper/metrics). "
                       "Unset: they answer loopback clients only. Set: they answer every "
                       "client, and every call needs 'Authorization: Bearer <token>'.")
+    loader.add_option("slotkeeper_etcd", str, "",
+                      "etcd endpoints (comma-separated host:port or http(s)://host:port) "
+                      "that hold the sessions, slot claims and locks shared by proxies on "
+                      "several hosts. Empty: the state file (one machine).")
+    loader.add_option("slotkeeper_etcd_prefix", str, backends.DEFAULT_PREFIX,
+                      "Key prefix in etcd: deployments that share a cluster each use their "
+                      "own.")
+    loader.add_option("slotkeeper_etcd_lease_ttl", int, backends.DEFAULT_LEASE_TTL,
+                      "Seconds a killed proxy's slot locks outlive it in etcd (its lease's "
+                      "TTL; kept alive every third of it while the proxy runs).")
     loader.add_option(UPSTREAM_KEY_OPTION, str, "",
                       "llama-server's --api-key, sent on slotkeeper's own calls (/slots, "
                       "/props, save/restore); clients' requests keep their own "
@@ -126,8 +140,8 @@ def _declare_storage(loader) -> None:
 class Settings:
     """What the options configure, built."""
     router_config: RouterConfig
-    state: StateFile
-    locks: SlotLocks
+    state: backends.State
+    locks: backends.Locks
     folder: SlotFolder | None
     slot_dir_problem: str  # why sessions cannot be saved, shown by the session API
     identity_config: IdentityConfig
@@ -166,10 +180,25 @@ def check(opts) -> tuple[str, ...]:
     if opts.slotkeeper_placement not in placement.POLICIES:
         raise exceptions.OptionsError(f"slotkeeper_placement must be one of "
                                       f"{', '.join(placement.POLICIES)}")
+    check_etcd(opts)
     try:
         return tuple(placement.parse_upstreams(opts.slotkeeper_upstreams))
     except ValueError as e:
         raise exceptions.OptionsError(f"slotkeeper_upstreams: {e}") from None
+
+
+def check_etcd(opts) -> None:
+    if not opts.slotkeeper_etcd.strip():
+        return
+    for name, check_one in (("slotkeeper_etcd", backends.parse_endpoints),
+                            ("slotkeeper_etcd_prefix", backends.check_prefix)):
+        try:
+            check_one(getattr(opts, name))
+        except ValueError as e:
+            raise exceptions.OptionsError(f"{name}: {e}") from None
+    if opts.slotkeeper_etcd_lease_ttl < 2:
+        # etcd's shortest lease is about 2 s (1.5 election timeouts on its defaults)
+        raise exceptions.OptionsError("slotkeeper_etcd_lease_ttl must be at least 2")
 
 
 def upstream_key_of(opts) -> str:
@@ -192,8 +221,11 @@ def build(opts) -> Settings:
         slot_dir, os.R_OK | os.W_OK | os.X_OK)
     # Everything is checked: from here on, files are made.
     try:
-        state = StateFile(state_path)
-        locks = SlotLocks(state_path.parent / "locks")
+        store = backends.open_store(state_path, opts.slotkeeper_etcd,
+                                    opts.slotkeeper_etcd_prefix, opts.slotkeeper_etcd_lease_ttl)
+        state, locks = store.state, store.locks
+    except ValueError as e:  # the etcd client is not installed (the `etcd` extra)
+        raise exceptions.OptionsError(f"slotkeeper_etcd: {e}") from None
     except OSError as e:
         raise exceptions.OptionsError(f"slotkeeper_state_file {state_path}: {e}") from None
     folder, problem = None, ""

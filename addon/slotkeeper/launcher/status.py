@@ -22,6 +22,7 @@ import requests
 
 from ..manage.admin import SessionAdmin
 from ..snapshots.slotfiles import SlotFolder
+from ..store.backends import describe as describe_store
 from ..store.state import StateDoc
 from ..upstream.client import UPSTREAM_KEY_ENV, SlotsUnavailable
 from ..upstream.models import Kinds, split_key
@@ -58,6 +59,7 @@ class Report:
     upstreams: list[dict[str, Any]] = field(default_factory=list)
     sessions: list[dict[str, Any]] | None = None
     sessions_note: str | None = None
+    store: dict[str, Any] | None = None  # the proxy's store (file or etcd), and if it answers
     now: float = field(default_factory=time.time)
 
     def to_json(self) -> dict[str, Any]:
@@ -189,7 +191,8 @@ def gather(proxy: str, state_file: Path, slot_dir: Path | None,
            check_upstreams: bool = True) -> Report:
     try:
         current, sessions, note = from_proxy(proxy)
-        report = Report("proxy", proxy, slot_dir=current.get("slot_dir"))
+        report = Report("proxy", proxy, slot_dir=current.get("slot_dir"),
+                        store=current.get("store"))
     except StatusError as proxy_error:
         try:
             current, sessions, note = from_files(state_file, slot_dir)
@@ -252,6 +255,8 @@ def render(report: Report) -> str:
     else:
         head = f"slotkeeper status, read from {report.state_file}: {report.proxy_error}"
     lines = [head]
+    if report.store:
+        lines.append(f"Store: {describe_store(report.store)}")
     if not report.upstreams:
         lines += ["", "No upstream has been used yet."]
     for up in report.upstreams:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 
 from ..observe import metrics
-from ..store.state import StateDoc, UpstreamRecord
+from ..store.backends import store_of
+from ..store.state import StateDoc, StoreUnavailable, UpstreamRecord
 from ..upstream.client import UpstreamError
 from ..upstream.models import split_key
 
@@ -23,7 +24,10 @@ class SessionAdmin:
         self.router = router
 
     def current(self) -> dict:
-        doc = self.router.state.read()
+        try:
+            doc = self.router.state.read()
+        except StoreUnavailable:  # etcd down: what this proxy last knew, and the store says so
+            doc = self.router.state.last_read()
         folder = self.router.folder
         out: dict = {}
         pool = tuple(getattr(getattr(self.router, "config", None), "upstreams", ()))
@@ -48,7 +52,8 @@ class SessionAdmin:
                         **({"model": split_key(url)[1]} if split_key(url)[1] else {}),
                         **({"pool": True, "up": self.router.upstreams.get(url).healthy}
                            if url in pool else {})}
-        return {"upstreams": out, "slot_dir": str(folder.root) if folder else None}
+        return {"upstreams": out, "slot_dir": str(folder.root) if folder else None,
+                "store": store_of(self.router.state)}
 
     def saved(self) -> list[dict]:
         folder = self.router.folder

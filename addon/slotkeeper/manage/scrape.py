@@ -13,7 +13,7 @@ from typing import Any
 
 from mitmproxy import http
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..guard.access import METRICS_PATH, management_access
 from ..observe import metrics
@@ -165,8 +165,31 @@ def session_models(router: Any) -> GaugeMetricFamily:
     return family
 
 
+class StoreHealth:
+    """Whether the shared store answers (issue #33): 0 while etcd is unreachable and requests
+    pass through unpinned; the state file is always 1 (a broken file is rebuilt)."""
+
+    keeper: Any = None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        router = self.keeper.router if self.keeper is not None else None
+        conn = getattr(getattr(router, "state", None), "conn", None)  # etcd's EtcdState only
+        up = GaugeMetricFamily("slotkeeper_store_reachable",
+                               "1 while the shared store answers; 0 while etcd is unreachable "
+                               "(requests pass through unpinned).")
+        failures = CounterMetricFamily("slotkeeper_store_unreachable",
+                                       "Store calls that found every etcd endpoint down.")
+        if router is not None:
+            up.add_metric([], 0 if conn is not None and not conn.reachable else 1)
+            failures.add_metric([], conn.failures if conn is not None else 0)
+        return [up, failures]
+
+
 GAUGES = (("live", LiveGauges), ("session_models", SessionModels),
-          ("measured_costs", MeasuredCosts))
+          ("measured_costs", MeasuredCosts), ("store", StoreHealth))
 for _name, _make in GAUGES:  # registered from the start: empty until a keeper is bound
     metrics.collector(_name, _make)
 

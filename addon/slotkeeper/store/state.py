@@ -28,6 +28,12 @@ _TEMP_NAME = re.compile(r"\.state-[a-z0-9_]{8}")
 T = TypeVar("T")
 
 
+class StoreUnavailable(RuntimeError):
+    """A shared store (etcd, issue #33) did not answer: every endpoint refused, timed out or
+    has no quorum. The caller passes its request through unpinned: the store is a speed-up,
+    never a reason to fail. (The state file never raises it.)"""
+
+
 @dataclass
 class SlotRecord:
     owner: str

@@ -5,20 +5,22 @@ import multiprocessing
 import os
 import stat
 
+from store_backends import backend  # noqa: F401 - the fixture
+
 from slotkeeper.store.state import SlotRecord, StateDoc, StateFile
 
 
-def claim(state: StateFile, url: str, slot: int, owner: str, now: float = 1.0) -> None:
+def claim(state, url: str, slot: int, owner: str, now: float = 1.0) -> None:
     def change(doc: StateDoc) -> None:
         doc.upstream(url).slots[slot] = SlotRecord(owner=owner, claimed=now, last_used=now)
 
     state.update(change)
 
 
-def test_round_trip_and_owner_lookup(tmp_path):
-    state = StateFile(tmp_path / "state.json")
+def test_round_trip_and_owner_lookup(backend):
+    state = backend.open().state
     claim(state, "http://a:1", 2, "sess-1")
-    doc = StateFile(tmp_path / "state.json").read()  # a second process's view
+    doc = backend.open().state.read()  # a second process's view
     assert doc.upstreams["http://a:1"].slot_of("sess-1") == 2
     assert doc.upstreams["http://a:1"].slot_of("other") is None
 
@@ -31,12 +33,13 @@ def test_file_is_owner_only_and_written_whole(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".state-")] == []
 
 
-def test_read_is_cached_until_the_file_changes(tmp_path):
-    state = StateFile(tmp_path / "state.json")
+def test_read_is_cached_until_the_file_changes(backend):
+    state = backend.open().state
     claim(state, "u", 0, "s")
     first = state.read()
     assert state.read() is first  # no change: no re-parse
-    claim(StateFile(tmp_path / "state.json"), "u", 1, "t", now=2.0)
+    assert state.last_read() is first
+    claim(backend.open().state, "u", 1, "t", now=2.0)
     assert state.read().upstreams["u"].slot_of("t") == 1
 
 
@@ -52,8 +55,11 @@ def test_corrupt_file_is_rebuilt_not_fatal(tmp_path, caplog):
     assert "rebuilding" in caplog.text
 
 
-def _claim_many(path: str, worker: int, count: int) -> None:
-    state = StateFile(__import__("pathlib").Path(path))
+def _claim_many(args: list[str], worker: int, count: int) -> None:
+    from pathlib import Path
+
+    from slotkeeper.store.backends import open_store
+    state = open_store(Path(args[0]), args[1], args[2]).state
     for i in range(count):
         def change(doc: StateDoc, i=i) -> None:
             up = doc.upstream("u")
@@ -61,17 +67,16 @@ def _claim_many(path: str, worker: int, count: int) -> None:
         state.update(change)
 
 
-def test_concurrent_processes_lose_no_update(tmp_path):
-    path = tmp_path / "state.json"
+def test_concurrent_processes_lose_no_update(backend):
     procs = [multiprocessing.get_context("spawn").Process(target=_claim_many,
-                                                          args=(str(path), w, 25))
+                                                          args=(backend.args(), w, 25))
              for w in range(4)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    owners = {rec.owner for rec in StateFile(path).read().upstreams["u"].slots.values()}
+    owners = {rec.owner for rec in backend.open().state.read().upstreams["u"].slots.values()}
     assert len(owners) == 100
 
 
@@ -102,3 +107,53 @@ def test_only_idle_empty_slots_that_held_a_session_lose_their_claim():
     # Another fingerprint: the server was replaced, every claim goes.
     assert _reconcile(doc, url, "other", live, [])
     assert up.slots == {}
+
+
+def test_concurrent_threads_of_one_process_and_another_lose_no_update(backend):
+    """Two views (two processes' worth) written from several threads each at once."""
+    import threading
+
+    views = [backend.open().state, backend.open().state]
+
+    def work(i: int) -> None:
+        for n in range(10):
+            claim_next(views[i % 2], f"t{i}-{n}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    owners = {rec.owner for rec in backend.open().state.read().upstreams["u"].slots.values()}
+    assert len(owners) == 40
+
+
+def claim_next(state, owner: str) -> None:
+    def change(doc: StateDoc) -> None:
+        up = doc.upstream("u")
+        up.slots[len(up.slots)] = SlotRecord(owner=owner, claimed=0, last_used=0)
+
+    state.update(change)
+
+
+def test_a_failed_change_writes_nothing(backend):
+    state = backend.open().state
+    claim(state, "u", 0, "s")
+
+    def broken(doc: StateDoc) -> None:
+        doc.upstream("u").slots[1] = SlotRecord(owner="half", claimed=0, last_used=0)
+        raise RuntimeError("a bug in the change")
+
+    import pytest
+    with pytest.raises(RuntimeError):
+        state.update(broken)
+    assert backend.open().state.read().upstreams["u"].slot_of("half") is None
+    assert state.read().upstreams["u"].slot_of("half") is None
+
+
+def test_hostile_session_ids_stay_values(backend):
+    """A session id is the client's: in etcd it is a JSON value in the state key, never a key."""
+    state = backend.open().state
+    hostile = "../../x\x00\udcff/\n" + "é" * 10
+    claim(state, "u", 0, hostile)
+    assert backend.open().state.read().upstreams["u"].slot_of(hostile) == 0

@@ -1,0 +1,154 @@
+"""Several proxies sharing sessions through etcd (issue #33), with real processes: a 3-member
+etcd cluster on loopback, two mitmdump proxies (each its own state folder; only etcd and the
+slot folder shared, as two hosts would), one llama-server (-np 2 -c 4096). What the server
+did is read from its own answers (`timings`)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import requests
+from helpers import QUESTIONS, Conversation
+from testbed import long_system_prompt
+
+TTL = 3  # seconds: a killed proxy's slot leases must be gone within this
+OPTIONS = {"slotkeeper_idle_save_seconds": 1, "slotkeeper_max_seeds": 0,
+           "slotkeeper_etcd_lease_ttl": TTL, "slotkeeper_lock_timeout": 60,
+           "slotkeeper_small_request_chars": 500}  # 300-word prompts are sessions here
+
+
+def proxies(make_proxy, server, slot_dir: Path, endpoints: str, count: int, prefix: str):
+    return [make_proxy(server, slotkeeper_slot_dir=str(slot_dir), slotkeeper_etcd=endpoints,
+                       slotkeeper_etcd_prefix=prefix, **OPTIONS) for _ in range(count)]
+
+
+def run_sessions(urls: list[str], tag: str, sessions: int = 4, turns: int = 4,
+                 seed: int = 0) -> list[Conversation]:
+    """`sessions` conversations at once, turn k of session i through urls[(i + k) % n]."""
+    conversations = [Conversation(f"{tag}-{i}", long_system_prompt(300, seed=seed + i))
+                     for i in range(sessions)]
+    errors: list[BaseException] = []
+
+    def run(i: int, c: Conversation) -> None:
+        try:
+            for k in range(turns):
+                c.ask(urls[(i + k) % len(urls)], f"({c.session}) {QUESTIONS[k]}")
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(conversations)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return conversations
+
+
+def later_prefill(conversations: list[Conversation]) -> int:
+    return sum(t.prompt_n for c in conversations for t in c.turns[1:])
+
+
+def assert_kept_turns_found_their_kv(conversations: list[Conversation]) -> None:
+    """A turn kept on its slot must find its previous prompt there: another session's request
+    on that slot meanwhile (two sessions on one slot) would have overwritten it."""
+    for c in conversations:
+        for before, turn in zip(c.turns, c.turns[1:]):
+            if turn.action == "kept":
+                assert turn.cache_n >= 0.9 * before.prompt_tokens, (c.session, before, turn)
+
+
+def test_turns_alternating_between_two_proxies_prefill_as_through_one(
+        make_llama, make_proxy, make_etcd, tmp_path):
+    etcd = make_etcd(3)
+    slot_dir = tmp_path / "slots"
+    server = make_llama(np=2, ctx=4096, slot_save_path=slot_dir)
+    two = proxies(make_proxy, server, slot_dir, etcd.endpoints, 2, "/two/")
+    one = proxies(make_proxy, server, slot_dir, etcd.endpoints, 1, "/one/")
+    through_two = run_sessions([p.url for p in two], "two", seed=10)
+    through_one = run_sessions([one[0].url], "one", seed=10)
+    two_total, one_total = later_prefill(through_two), later_prefill(through_one)
+    print(f"later turns prefilled: {two_total} through two proxies, {one_total} through one")
+    assert two_total <= 1.05 * one_total, (two_total, one_total)
+    assert_kept_turns_found_their_kv(through_two + through_one)
+
+
+def test_a_killed_proxy_frees_its_slots_and_the_session_goes_on(make_llama, make_proxy,
+                                                                make_etcd, tmp_path):
+    etcd = make_etcd(3)
+    slot_dir = tmp_path / "slots"
+    server = make_llama(np=2, ctx=4096, slot_save_path=slot_dir)
+    a, b = proxies(make_proxy, server, slot_dir, etcd.endpoints, 2, "/kill/")
+    c = Conversation("killed", long_system_prompt(300, seed=40))
+    first = c.ask(a.url, "Name one prime number.")
+    # A long answer streams through A; A is SIGKILLed mid-stream, holding the slot's lease.
+    body = {"messages": [{"role": "system", "content": c.system}, *c.messages,
+                         {"role": "user", "content": "Count from one to a thousand."}],
+            "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+    with requests.post(a.url + "/v1/chat/completions", json=body, stream=True,
+                       headers={c.header: c.session}, timeout=60) as r:
+        next(r.iter_lines())
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait(10)
+        killed = time.monotonic()
+    second = c.ask(b.url, "And another prime number?")
+    waited = time.monotonic() - killed
+    print(f"next turn through the other proxy answered {waited:.1f} s after the kill "
+          f"({second.action}, cache_n {second.cache_n} of {second.prompt_tokens})")
+    assert second.action is not None, "passed through unpinned"
+    assert waited < TTL + 15, waited
+    assert second.cache_n >= 0.9 * first.prompt_tokens, (first, second)
+    # The killed proxy's slot lease (a key on its etcd lease) is gone within the TTL: after
+    # that nothing is held (B released its own lease when its answer ended).
+    while lock_keys(etcd, "/kill/") and time.monotonic() - killed < TTL + 5:
+        time.sleep(0.1)
+    gone = time.monotonic() - killed
+    print(f"the killed proxy's slot lease was gone {gone:.1f} s after the kill (TTL {TTL} s)")
+    assert not lock_keys(etcd, "/kill/"), lock_keys(etcd, "/kill/")
+    assert gone <= TTL + 1.5, gone
+
+
+def lock_keys(etcd, prefix: str) -> list[str]:
+    """The slot leases and named locks held under `prefix`, read from etcd itself."""
+    import etcd3gw
+    port = int(etcd.members[-1].endpoint.rsplit(":", 1)[1])
+    return [meta["key"].decode() for _, meta in etcd3gw.client(port=port).get_prefix(prefix)
+            if not meta["key"].endswith(b"/state")]
+
+
+def test_etcd_members_lost_and_back(make_llama, make_proxy, make_etcd, tmp_path):
+    etcd = make_etcd(3)
+    slot_dir = tmp_path / "slots"
+    server = make_llama(np=2, ctx=4096, slot_save_path=slot_dir)
+    a, b = proxies(make_proxy, server, slot_dir, etcd.endpoints, 2, "/faults/")
+    c = Conversation("faults", long_system_prompt(300, seed=50))
+    c.ask(a.url, "Name one prime number.")
+    etcd.kill(0)  # one member of three: nothing changes
+    t2 = c.ask(b.url, "Another one?")
+    assert t2.action == "kept", t2
+    etcd.kill(1)  # quorum lost: still answered, unpinned
+    t3 = c.ask(a.url, "And a third?")
+    t4 = c.ask(b.url, "And a fourth?")
+    print(f"quorum lost: actions {t3.action}, {t4.action}")
+    assert all(t.action is None for t in (t3, t4)), (t3, t4)
+    assert store_reachable(a) == 0
+    etcd.restart(0, wait=False)
+    etcd.restart(1)
+    back = time.monotonic()
+    while store_reachable(a) != 1 and time.monotonic() - back < 30:
+        time.sleep(0.1)
+    seen = time.monotonic() - back
+    print(f"etcd seen back by the proxy {seen:.1f} s after quorum returned")
+    assert seen < 5, seen
+    turn = c.ask(a.url, "One more?")
+    assert turn.action is not None, "still unpinned after the store answered again"
+    assert "etcd unreachable" in a.log.read_text()
+
+
+def store_reachable(proxy) -> float:
+    text = requests.get(proxy.url + "/slotkeeper/metrics", timeout=5).text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("slotkeeper_store_reachable "))
