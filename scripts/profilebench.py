@@ -47,7 +47,7 @@ class Profile:
 GPU_BENCH = "https://github.com/XiongjieDai/GPU-Benchmarks-on-LLM-Inference (README)"
 # Save/restore rates: llama-server's own slot save/restore path (single-threaded fwrite/fread of
 # each layer's K and V, through the page cache), measured uncapped on this machine by the
-# calibration (1.6-2.2 GB/s save, 3.2-3.3 GB/s restore, run of 2026-12-06); a PCIe 4.0 NVMe
+# calibrations (1.4-2.8 GB/s save, 2.8-3.5 GB/s restore, runs of 2026-12-06); a PCIe 4.0 NVMe
 # (Samsung 990 PRO: 6.9 GB/s write, 7.45 GB/s read sequential, its data sheet) and a GPU's
 # PCIe 4.0 x16 copy (~25 GB/s) are both faster, so the server's own path is the limit we take.
 DISK = ("save 2 GB/s, restore 3 GB/s: llama-server's own save/restore path, measured uncapped "
