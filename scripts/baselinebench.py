@@ -173,11 +173,11 @@ def later_excess(summary: dict[str, Any]) -> int | None:
     return summary["later_prompt_n"] - summary["later_minimum"]
 
 
-def fmt(value: Any) -> str:
+def fmt(value: Any, digits: int = 2) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:.2f}"
+        return f"{value:,.{digits}f}"
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)

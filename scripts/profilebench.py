@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from baselinebench import fmt
+
 MiB = 2 ** 20
 GB = 1e9
 
@@ -290,22 +292,6 @@ def project(run: dict[str, Any], profile: Profile, per_token: float) -> dict[str
     return {k: round(v, 2) for k, v in parts.items()} | {
         "total_s": round(sum(parts.values()), 2),
         "saved_gib": round(saved / 2 ** 30, 2), "restored_gib": round(restored / 2 ** 30, 2)}
-
-
-def fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
-
-
-def markdown(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
-    return "\n".join(lines)
 
 
 def result_table(workloads: dict[str, dict[str, Any]]) -> list[list[str]]:

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -26,7 +23,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "bed"))
 
-from throttlefs import MOUNT_WAIT_S, Bucket, make_operations  # noqa: E402
+from throttlefs import Bucket, ThrottledFolder, make_operations  # noqa: E402
 
 UNLIMITED = 1e15  # the inner passthrough's own bucket: the charge below is what waits
 
@@ -128,50 +125,29 @@ def logged_operations(backing: Path, bucket: Bucket, log_path: Path,
     return ops
 
 
-class LoggedFolder:
+class LoggedFolder(ThrottledFolder):
     """A capped mount point (`path`) over `backing`, logging to `log_path`."""
 
     def __init__(self, root: Path, bytes_per_s: float,
                  charge: tuple[float, float, float] | None = None) -> None:
-        self.backing = root / "backing"
-        self.path = root / "throttled"
+        super().__init__(root, bytes_per_s)
         self.log_path = root / "io.jsonl"
-        self.bytes_per_s = bytes_per_s
         self.charge = charge
-        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        return [sys.executable, __file__, str(self.backing), str(self.path),
+                "--bytes-per-s", str(self.bytes_per_s), "--log", str(self.log_path),
+                *(["--charge", *map(str, self.charge)] if self.charge else [])]
 
     def start(self) -> LoggedFolder:
-        self.backing.mkdir(parents=True, exist_ok=True)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.touch()
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, str(self.backing), str(self.path),
-             "--bytes-per-s", str(self.bytes_per_s), "--log", str(self.log_path),
-             *(["--charge", *map(str, self.charge)] if self.charge else [])],
-            stdout=subprocess.DEVNULL, stderr=open(self.path.parent / "throttlefs.log", "wb"))
-        deadline = time.monotonic() + MOUNT_WAIT_S
-        while not os.path.ismount(self.path):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"throttled folder not mounted: "
-                                   f"{(self.path.parent / 'throttlefs.log').read_text()[-2000:]}")
-            time.sleep(0.05)
+        super().start()
         return self
 
     def entries(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.log_path.read_text().splitlines()
                 if line.strip()]
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        subprocess.run([shutil.which("fusermount3") or "fusermount3", "-u", "-z",
-                        str(self.path)], capture_output=True, timeout=30)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
 
 
 def main() -> None:

@@ -150,8 +150,7 @@ class ThrottledFolder:
         self.backing.mkdir(parents=True, exist_ok=True)
         self.path.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, str(self.backing), str(self.path),
-             "--bytes-per-s", str(self.bytes_per_s)],
+            self.command(),
             stdout=subprocess.DEVNULL, stderr=open(self.path.parent / "throttlefs.log", "wb"))
         deadline = time.monotonic() + MOUNT_WAIT_S
         while not os.path.ismount(self.path):
@@ -160,6 +159,11 @@ class ThrottledFolder:
                                    f"{(self.path.parent / 'throttlefs.log').read_text()[-2000:]}")
             time.sleep(0.05)
         return self
+
+    def command(self) -> list[str]:
+        """The FUSE process: this file run as a script (a subclass may run another)."""
+        return [sys.executable, __file__, str(self.backing), str(self.path),
+                "--bytes-per-s", str(self.bytes_per_s)]
 
     def stop(self) -> None:
         if self.proc is None:
