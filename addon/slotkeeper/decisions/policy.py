@@ -178,13 +178,37 @@ CURRENT = 1  # the owner's snapshot holds what the slot holds: it pays one resto
 SAVE = 2  # the owner grew since its snapshot: saved first (the request waits for that save)
 
 
-def order_for_side(ranking: Sequence[int], costs: Mapping[int, tuple[bool, int]]) -> list[int]:
+def order_for_side(ranking: Sequence[int], costs: Mapping[int, tuple[bool, int]],
+                   tokens: Mapping[int, int] | None = None) -> list[int]:
     """The slots a request that claims nothing tries, in order (issue #23): idle before busy,
     then a free slot, else one whose owner's snapshot is current, and only then one whose
     owner must be saved first; `ranking`'s order (choice.rank_slots) within each. `costs`:
-    slot -> (processing, FREE | CURRENT | SAVE); a slot missing from it is taken as busy."""
+    slot -> (processing, FREE | CURRENT | SAVE); a slot missing from it is taken as busy.
+    `tokens` (slot -> cached tokens): among idle free slots, one holding something comes
+    before an empty one (issue #32, item 7b): llama-server consults its RAM prompt cache for
+    a pinned request only when the slot holds something (on an empty one its keep ratio is
+    0/0), and it parks what the slot held in that cache as it does so, so nothing is lost."""
     position = {slot: i for i, slot in enumerate(ranking)}
-    return sorted(ranking, key=lambda slot: (*costs.get(slot, (True, SAVE)), position[slot]))
+    tokens = tokens or {}
+
+    def key(slot: int) -> tuple[int, int, int, int]:
+        processing, cost = costs.get(slot, (True, SAVE))
+        empty_free = int(not processing and cost == FREE and tokens.get(slot, 0) == 0)
+        return int(processing), cost, empty_free, position[slot]
+
+    return sorted(ranking, key=key)
+
+
+def side_goes_unpinned(slot: int, costs: Mapping[int, tuple[bool, int]],
+                       tokens: Mapping[int, int]) -> bool:
+    """Send a request that claims nothing without `id_slot` (issue #32, item 7b) when the slot
+    it would be pinned to is empty and every slot of the server is idle and free: pinned to an
+    empty slot it would skip llama-server's RAM prompt cache, and unpinned the server can only
+    pick a slot that holds nobody's KV, so the request gets exactly what the server alone
+    would give it. (The caller holds every slot's lock meanwhile.)"""
+    if tokens.get(slot, 0) != 0 or not costs:
+        return False
+    return all(not processing and cost == FREE for processing, cost in costs.values())
 
 
 # A snapshot restored as another conversation's prefix is reused by llama-server only up to

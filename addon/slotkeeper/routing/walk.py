@@ -245,7 +245,9 @@ class Walk:
         claims = up.claims() if up else {}
         ranking = self._ranking(slots, claims,
                                 avoid=up.slot_of(ident.session_id) if up else None)
-        ranking = policy.order_for_side(ranking, side_costs(slots, up))
+        costs = side_costs(slots, up)
+        tokens = {view.id: view.n_tokens for view in slots}
+        ranking = policy.order_for_side(ranking, costs, tokens)
         if not ranking:
             return self._fallback(url, info, ident, "server reports no slots",
                                   self.config.lock_timeout)
@@ -256,6 +258,12 @@ class Walk:
                          detail=f"{why}; every slot busy")
         with ExitStack() as stack:
             stack.enter_context(lease)
+            if not from_prefix and policy.side_goes_unpinned(slot, costs, tokens):
+                route = self._side_unpinned(url, ident, lease,
+                                            [v.id for v in slots if v.id != slot], why)
+                if route is not None:
+                    stack.pop_all()
+                    return route
             detail = f"{why}, slot not claimed"
             note = self.handover.displace(url, info, slot, None, tokens_in(slots, slot))
             detail += f"; {note}" if note else ""
@@ -266,6 +274,26 @@ class Walk:
                           lease=lease)
             stack.pop_all()
             return route
+
+    def _side_unpinned(self, url: str, ident: Identity, lease: SlotLease, slot_ids: list[int],
+                       why: str) -> Route | None:
+        """The side request without `id_slot` (policy.side_goes_unpinned), holding every
+        slot's lock until it ends, so no request slotkeeper routes lands where the server puts
+        it meanwhile. None when another request holds a slot's lock: pin it then."""
+        others = []
+        for slot in slot_ids:
+            other = self.locks.try_acquire(url, slot, exclusive=True)
+            if other is None:
+                for held in others:
+                    held.release()
+                return None
+            others.append(other)
+        route = Route(url, ident.session_id, ident.rule, None, UNPINNED, lease=lease,
+                      detail=f"{why}, not pinned: every slot empty and free, so llama-server "
+                             "picks one and consults its RAM prompt cache")
+        for held in others:
+            route.on_release(held.release)
+        return route
 
     def _ranking(self, slots: list[SlotView], claims: dict, avoid: int | None) -> list[int]:
         """The slots best first (choice.rank_slots); `avoid` last-resort only."""

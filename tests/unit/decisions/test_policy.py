@@ -114,6 +114,29 @@ def test_a_request_that_claims_nothing_takes_a_free_slot_then_a_saved_owners():
     assert policy.order_for_side([1, 0, 5], costs) == [1, 0, 5]
 
 
+def test_a_request_that_claims_nothing_prefers_a_free_slot_holding_something():
+    """Issue #32, item 7b: pinned to an empty slot llama-server never consults its RAM cache;
+    pinned to one that holds something it parks that and looks the prompt up."""
+    costs = {0: (False, policy.FREE), 1: (False, policy.FREE), 2: (False, policy.SAVE)}
+    tokens = {0: 0, 1: 300, 2: 900}
+    assert policy.order_for_side([0, 1, 2], costs, tokens) == [1, 0, 2]
+    # An empty free slot still comes before a slot whose owner would pay for it.
+    assert policy.order_for_side([2, 0], costs, tokens) == [0, 2]
+    # Without token counts, the old order.
+    assert policy.order_for_side([0, 1, 2], costs) == [0, 1, 2]
+
+
+def test_a_side_request_goes_unpinned_only_where_nobody_can_lose_kv():
+    free = {0: (False, policy.FREE), 1: (False, policy.FREE)}
+    assert policy.side_goes_unpinned(0, free, {0: 0, 1: 0})
+    assert not policy.side_goes_unpinned(0, free, {0: 40, 1: 0})  # pinned: the RAM cache is seen
+    owned = {0: (False, policy.FREE), 1: (False, policy.CURRENT)}
+    assert not policy.side_goes_unpinned(0, owned, {0: 0, 1: 0})  # the server could pick 1
+    busy = {0: (False, policy.FREE), 1: (True, policy.FREE)}
+    assert not policy.side_goes_unpinned(0, busy, {0: 0, 1: 0})
+    assert not policy.side_goes_unpinned(0, {}, {})
+
+
 def test_a_retry_of_the_running_request_waits_for_it_on_its_slot():
     """Issue #23: an SDK that gave up waiting sends the same request again while the original
     still runs; it goes where the original went (MAIN), where a continuation goes SIDE."""
