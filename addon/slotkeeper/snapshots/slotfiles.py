@@ -22,6 +22,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..decisions import fingerprints
 from .paths import FILE_NAME_RE, META_RE, SAVING_RE, TEMP_RE, file_name_for, inside, require
 
 log = logging.getLogger("slotkeeper.slotfiles")  # the name log filters know
@@ -182,7 +183,7 @@ def restorable(meta: SessionMeta | None, header: StateHeader | None, file_size: 
         return False, "no snapshot"
     if meta.misses >= MAX_MISSES:
         return False, f"retired after {meta.misses} misses"
-    if meta.fingerprint != fingerprint:
+    if not fingerprints.same_model(meta.fingerprint, fingerprint):
         return False, "model changed"
     if header is None:
         return False, f"not a llama state file ({file_size} bytes)"
