@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ..decisions import fingerprints
-from .paths import FILE_NAME_RE, META_RE, SAVING_RE, TEMP_RE, file_name_for, inside, require
+from .paths import (FILE_NAME_RE, META_RE, SAVING_RE, TEMP_RE, PathOutsideFolder,
+                    file_name_for, inside, require)
 
 log = logging.getLogger("slotkeeper.slotfiles")  # the name log filters know
 
@@ -337,6 +338,13 @@ class SlotFolder:
         try:
             return self.state_path(session_id).stat().st_size
         except OSError:
+            return 0
+
+    def file_size(self, name: str) -> int:
+        """The size of a save's temp file `name` so far (0: none, or not such a name)."""
+        try:
+            return self._size(self._inside(require(_SAVING_RE, name)))
+        except PathOutsideFolder:
             return 0
 
     def saving_name(self, session_id: str) -> str:
