@@ -29,6 +29,9 @@ from .etcd_conn import EtcdConnection, b64, range_end, unb64
 from .state import StoreUnavailable
 
 log = logging.getLogger("slotkeeper.etcd")
+# The hour's old write keys are deleted by `last_hour`, which every save that can wait calls;
+# a proxy that only ever saves on handovers prunes them every this many writes.
+PRUNE_EVERY = 64
 
 
 class EtcdLedger:
@@ -39,6 +42,7 @@ class EtcdLedger:
         self.disk_key = prefix + "budget/disk/"
         self.clock = clock
         self.local = LocalLedger()  # this process's own count: what stands in while etcd is down
+        self._writes = 0
 
     # ---- the write budget --------------------------------------------------------------------
 
@@ -53,6 +57,10 @@ class EtcdLedger:
                                             json={"key": b64(key), "value": b64(str(nbytes))}))
         except StoreUnavailable:
             log.info("etcd unreachable: a save's %d bytes counted by this proxy only", nbytes)
+            return
+        self._writes += 1
+        if self._writes % PRUNE_EVERY == 0:
+            self.last_hour()
 
     def last_hour(self) -> int:
         """The cluster's bytes within the hour; at least this process's own (a write etcd did

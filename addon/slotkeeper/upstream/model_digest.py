@@ -27,6 +27,8 @@ def content_digest(path: str) -> str:
     (a server on another host) or not a GGUF file. Computed once per file version in this
     process: the local stat (device, inode, size, mtime) is only the cache's key, never part
     of the digest."""
+    if not os.path.isabs(path):  # relative to the server's folder, not ours: another file
+        return ""
     try:
         st = os.stat(path)
     except (OSError, ValueError):

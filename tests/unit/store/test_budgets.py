@@ -15,7 +15,7 @@ from store_backends import backend  # noqa: F401 - the fixture
 import slotkeeper.store.budgets
 from slotkeeper.store.backends import open_store
 from slotkeeper.store.budgets import HOUR, LocalLedger
-from slotkeeper.store.etcd_budgets import EtcdLedger
+from slotkeeper.store.etcd_budgets import PRUNE_EVERY, EtcdLedger
 
 ADDON = str(pathlib.Path(slotkeeper.store.budgets.__file__).parent.parent)
 # A child process: opens the store (a 2 s lease), writes, reserves, says so, then holds
@@ -73,6 +73,19 @@ def test_writes_older_than_an_hour_drop_out(backend):
         assert len(ledger._range(ledger.writes_key)) == 1
 
 
+def test_a_proxy_that_never_asks_still_prunes_old_writes(backend):
+    if backend.kind != "etcd":
+        assert backend.open().ledger.last_hour() == 0  # nothing kept outside the process
+        return
+    now = [1_000_000.0]
+    ledger = EtcdLedger(backend.open().etcd, backend.prefix, clock=lambda: now[0])
+    ledger.wrote(1)
+    now[0] += HOUR + 1
+    for _ in range(PRUNE_EVERY - 1):
+        ledger.wrote(1)
+    assert len(ledger._range(ledger.writes_key)) == PRUNE_EVERY - 1
+
+
 def test_saves_in_flight_are_seen_by_every_proxy(backend):
     a, b = backend.open().ledger, backend.open().ledger
     sizes = {"x.saving-00000001.bin": 30}
@@ -81,6 +94,8 @@ def test_saves_in_flight_are_seen_by_every_proxy(backend):
         seen = b.pending(lambda name: sizes.get(name, 0), exclude="y.saving-00000002.bin")
         assert seen == (70 if backend.kind == "etcd" else 0)
         assert a.pending(lambda name: 0, exclude="x.saving-00000001.bin") == 0
+        # Another save of the same process (another thread) sees it with either backend.
+        assert a.pending(lambda name: sizes.get(name, 0), exclude="z.saving-00000003.bin") == 70
     assert b.pending(lambda name: 0, exclude="") == 0
 
 

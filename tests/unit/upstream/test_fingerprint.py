@@ -64,6 +64,7 @@ def test_two_finetunes_with_one_header_differ(tmp_path):
 
 def test_an_unreadable_or_foreign_file_has_no_digest(tmp_path):
     assert content_digest(str(tmp_path / "absent.gguf")) == ""
+    assert content_digest("models/model.gguf") == ""  # relative: the server's folder, not ours
     (tmp_path / "text.gguf").write_text("not a model")
     assert content_digest(str(tmp_path / "text.gguf")) == ""
     truncated = write_gguf(tmp_path / "t.gguf")
