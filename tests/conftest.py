@@ -3,6 +3,7 @@ tests fail (never skip): CI must not count a skipped integration test as a pass.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,8 @@ def proxy_hosts() -> Iterator[Callable[..., Any]]:
         hosts = Hosts(count)
         made.append(hosts)
         print(hosts.describe())
+        if not hosts.isolated:  # in the run's summary too, not only in captured output
+            warnings.warn(hosts.describe(), stacklevel=2)
         return hosts
 
     yield make
