@@ -20,7 +20,8 @@ TTL = 3  # seconds: a killed proxy's slot leases must be gone within this
 # The proxies are other hosts: their metrics answer the test (not a loopback client) with a
 # token, as in a deployment.
 TOKEN = "etcd-real-test"
-OPTIONS = {"slotkeeper_idle_save_seconds": 1, "slotkeeper_api_token": TOKEN, "slotkeeper_max_seeds": 0,
+OPTIONS = {"slotkeeper_idle_save_seconds": 1, "slotkeeper_api_token": TOKEN,
+           "slotkeeper_max_seeds": 0,
            "slotkeeper_etcd_lease_ttl": TTL, "slotkeeper_lock_timeout": 60,
            "slotkeeper_small_request_chars": 500}  # 300-word prompts are sessions here
 

@@ -5,7 +5,6 @@ backend. A FAKE server writes the state files llama-server would."""
 from __future__ import annotations
 
 import struct
-from types import SimpleNamespace
 
 from store_backends import backend  # noqa: F401 - the fixture
 
