@@ -232,7 +232,7 @@ class Snapshots:
             return self.folder.delete(snapshot)
 
 
-def _count_save(client: Upstream, writes: WriteWindow, size: int, n_saved: int,
+def _count_save(client: Upstream, writes: Ledger, size: int, n_saved: int,
                 save_ms: float) -> None:
     """A save in the metrics, the server's measured costs and the hour's writes."""
     metrics.slot_op("save", seconds=save_ms / 1000, nbytes=size, tokens=n_saved)
