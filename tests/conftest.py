@@ -3,6 +3,7 @@ tests fail (never skip): CI must not count a skipped integration test as a pass.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,16 +62,18 @@ def make_llama(llama_bin: Path, model_path: Path,
 
 @pytest.fixture
 def make_proxy(tmp_path: Path) -> Iterator[Callable[..., Proxy]]:
-    """make_proxy(upstream, *, script=None, port=None, **options) -> a started mitmdump with
-    the addon in front of `upstream` (a URL or a LlamaServer), each option as `--set`; stopped
-    at the end of the test. Each proxy has its own folder, so its own state file."""
+    """make_proxy(upstream, *, script=None, port=None, host=None, **options) -> a started
+    mitmdump with the addon in front of `upstream` (a URL or a LlamaServer), each option as
+    `--set`; stopped at the end of the test. Each proxy has its own folder, so its own state
+    file. `host`: a netns.Host to run it on (its namespace and address)."""
     proxies: list[Proxy] = []
 
     def make(upstream: str | LlamaServer, *, script: Path | None = None,
-             port: int | None = None, **options: Any) -> Proxy:
+             port: int | None = None, host: Any = None, **options: Any) -> Proxy:
         url = upstream.url if isinstance(upstream, LlamaServer) else upstream
+        where = {"netns": host.netns, "host": host.address} if host is not None else {}
         proxy = Proxy(url, tmp_path / f"proxy{len(proxies)}", options=options, script=script,
-                      port=port)
+                      port=port, **where)
         proxies.append(proxy)
         return proxy.start()
 
@@ -137,12 +140,34 @@ def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture
+def proxy_hosts() -> Iterator[Callable[..., Any]]:
+    """proxy_hosts(count) -> netns.Hosts: hosts for proxies, each in a network namespace of its
+    own where the machine allows it, else on loopback ports (its describe() says which);
+    whatever was made is removed at the end of the test, pass or fail."""
+    from netns import Hosts
+    made: list = []
+
+    def make(count: int) -> Any:
+        hosts = Hosts(count)
+        made.append(hosts)
+        print(hosts.describe())
+        if not hosts.isolated:  # in the run's summary too, not only in captured output
+            warnings.warn(hosts.describe(), stacklevel=2)
+        return hosts
+
+    yield make
+    for hosts in made:
+        hosts.close()
+
+
+@pytest.fixture
 def make_etcd(tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    """make_etcd(size=3) -> a started cluster of this test, stopped at its end."""
+    """make_etcd(size=3, also_on="") -> a started cluster of this test, stopped at its end
+    (`also_on`: an address served besides loopback, EtcdCluster's)."""
     clusters: list = []
 
-    def make(size: int = 3) -> Any:
-        cluster = _etcd_cluster(tmp_path / f"etcd{len(clusters)}", size)
+    def make(size: int = 3, also_on: str = "") -> Any:
+        cluster = _etcd_cluster(tmp_path / f"etcd{len(clusters)}", size, also_on)
         clusters.append(cluster)
         return cluster.start()
 
@@ -151,10 +176,10 @@ def make_etcd(tmp_path: Path) -> Iterator[Callable[..., Any]]:
         cluster.stop()
 
 
-def _etcd_cluster(folder: Path, size: int) -> Any:
+def _etcd_cluster(folder: Path, size: int, also_on: str = "") -> Any:
     from etcd_cluster import EtcdCluster
     try:
-        return EtcdCluster(folder, size)
+        return EtcdCluster(folder, size, also_on=also_on)
     except FileNotFoundError as e:
         pytest.fail(str(e), pytrace=False)
 

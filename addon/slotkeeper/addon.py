@@ -94,7 +94,8 @@ class SlotKeeper:
         self.max_body_bytes = built.max_body_bytes
         self.api_token = built.api_token
         self.idle_saves.seconds = built.idle_save_seconds
-        router = Router(built.router_config, built.state, built.locks, built.folder)
+        router = Router(built.router_config, built.state, built.locks, built.folder,
+                        ledger=built.ledger)
         if self.router is not None and self.router.state.path == built.state.path:
             router.adopt(self.router)
         self.router = router

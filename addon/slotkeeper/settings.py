@@ -17,6 +17,7 @@ from .identity.identity import IdentityConfig
 from .routing.routes import RouterConfig
 from .snapshots.slotfiles import SlotFolder
 from .store import backends
+from .store.budgets import Ledger
 from .upstream.client import UPSTREAM_KEY_ENV, UPSTREAM_KEY_OPTION
 
 log = logging.getLogger("slotkeeper")
@@ -142,6 +143,7 @@ class Settings:
     router_config: RouterConfig
     state: backends.State
     locks: backends.Locks
+    ledger: Ledger  # the disk and write budgets' accounting (the store's)
     folder: SlotFolder | None
     slot_dir_problem: str  # why sessions cannot be saved, shown by the session API
     identity_config: IdentityConfig
@@ -223,7 +225,7 @@ def build(opts) -> Settings:
     try:
         store = backends.open_store(state_path, opts.slotkeeper_etcd,
                                     opts.slotkeeper_etcd_prefix, opts.slotkeeper_etcd_lease_ttl)
-        state, locks = store.state, store.locks
+        state, locks, ledger = store.state, store.locks, store.ledger
     except ValueError as e:  # the etcd client is not installed (the `etcd` extra)
         raise exceptions.OptionsError(f"slotkeeper_etcd: {e}") from None
     except OSError as e:
@@ -245,7 +247,8 @@ def build(opts) -> Settings:
         if swept:
             log.info("removed %d orphaned files from %s", swept, slot_dir)
     return Settings(
-        router_config=router_config(opts, upstreams), state=state, locks=locks, folder=folder,
+        router_config=router_config(opts, upstreams), state=state, locks=locks, ledger=ledger,
+        folder=folder,
         slot_dir_problem=problem,
         identity_config=IdentityConfig(extra_headers=tuple(opts.slotkeeper_session_headers),
                                        children_share_parent=opts.slotkeeper_children_share_parent),

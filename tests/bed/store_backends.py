@@ -45,3 +45,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path):
     yield b
     for store in b.opened:
         store.close()
+    if endpoints:  # the cluster is the run's: leave no key (a test reads every key there is)
+        import etcd3gw
+        port = int(endpoints.split(",")[0].rsplit(":", 1)[1])
+        etcd3gw.client(port=port).delete_prefix(b.prefix)

@@ -57,10 +57,10 @@ def model_file() -> Path:
     return Path(os.environ.get("SLOTKEEPER_MODEL") or cached_model())
 
 
-def port_open(port: int) -> bool:
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         s.settimeout(1)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        return s.connect_ex((host, port)) == 0
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
@@ -71,13 +71,13 @@ def log_tail(path: Path, lines: int = 30) -> str:
 
 
 def wait_for_mitmproxy(proc: subprocess.Popen[bytes], port: int, log: Path,
-                       timeout: float) -> None:
+                       timeout: float, host: str = "127.0.0.1") -> None:
     """Wait until a starting mitmdump (or the launcher running it) serves on `port`.
     mitmdump exits when an error was logged during startup (a script that failed to load, a
     bad option), but only just after it started listening: a port that opened is not proof
     enough, the process must outlive that moment too."""
     deadline = time.monotonic() + timeout
-    while not port_open(port):
+    while not port_open(port, host):
         if proc.poll() is not None:
             raise RuntimeError(f"exited with {proc.returncode} before listening on {port}:\n"
                                f"{log_tail(log)}")
@@ -86,7 +86,7 @@ def wait_for_mitmproxy(proc: subprocess.Popen[bytes], port: int, log: Path,
         time.sleep(0.1)
     time.sleep(STARTUP_ERROR_GRACE_S)
     # The port is checked again for the launcher, which outlives a failed mitmdump child.
-    if proc.poll() is not None or not port_open(port):
+    if proc.poll() is not None or not port_open(port, host):
         how = "its port closed" if proc.poll() is None else f"exit {proc.returncode}"
         raise RuntimeError(f"mitmdump failed at startup ({how}):\n{log_tail(log)}")
 
@@ -109,10 +109,12 @@ class _LocalProcess:
     port: int
     log: Path
     proc: subprocess.Popen[bytes] | None
+    host = "127.0.0.1"  # where it listens (a proxy in a network namespace: its address)
+    prefix: tuple[str, ...] = ()  # what runs the command (`ip netns exec NAME`)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def alive(self) -> bool:
@@ -132,7 +134,8 @@ class _LocalProcess:
         with self.log.open("ab") as log:
             log.write(f"\n==== {' '.join(self.command())}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
+            self.proc = subprocess.Popen([*self.prefix, *self.command()],
+                                         stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
 
     def kill(self) -> None:
@@ -154,8 +157,9 @@ class LlamaServer(_LocalProcess):
     def __init__(self, workdir: Path, *, np: int = 4, ctx: int = 16384,
                  slot_save_path: Path | None = None, extra: Sequence[str] = (),
                  port: int | None = None, binary: Path | None = None,
-                 model: Path | None = None) -> None:
+                 model: Path | None = None, host: str = "127.0.0.1") -> None:
         self.workdir = workdir
+        self.host = host  # a bridge's address, for proxies in network namespaces (netns.py)
         self.np = np
         self.ctx = ctx
         self.slot_save_path = slot_save_path
@@ -175,7 +179,7 @@ class LlamaServer(_LocalProcess):
         # reused. -t 2: the test machines have 2 cores. --no-repack and the model's chat
         # template: as the launcher's local server (slotkeeper/local.py), without its default
         # stop strings, which end an answer after one line (tests stream long answers).
-        cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
+        cmd = [str(self.binary), "-m", str(self.model), "--host", self.host,
                "--port", str(self.port), "-np", str(self.np), "--swa-full", "-c", str(self.ctx),
                "-t", "2", "--no-repack", *model_flags(self.model, stops=False)]
         if self.slot_save_path is not None:
@@ -220,8 +224,11 @@ class Proxy(_LocalProcess):
 
     def __init__(self, upstream: str, workdir: Path, *,
                  options: Mapping[str, Any] | None = None, script: Path | None = None,
-                 port: int | None = None) -> None:
+                 port: int | None = None, netns: str = "", host: str = "127.0.0.1") -> None:
         self.upstream = upstream
+        # In a network namespace (tests/bed/netns.py): run inside it, listen on its address.
+        self.prefix = ("ip", "netns", "exec", netns) if netns else ()
+        self.host = host
         self.workdir = workdir
         self.options = dict(options or {})
         self.script = script or ADDON_SCRIPT
@@ -232,7 +239,7 @@ class Proxy(_LocalProcess):
 
     def command(self) -> list[str]:
         # Given options replace these defaults: mitmproxy rejects two `--set` of one option.
-        options = {"listen_host": "127.0.0.1", "connection_strategy": "lazy",
+        options = {"listen_host": self.host, "connection_strategy": "lazy",
                    "confdir": str(self.workdir / "confdir"),
                    "slotkeeper_state_file": str(self.state_file), **self.options}
         cmd = [str(MITMDUMP), "-s", str(self.script),
@@ -245,7 +252,7 @@ class Proxy(_LocalProcess):
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._spawn()
         try:
-            wait_for_mitmproxy(self.proc, self.port, self.log, PROXY_START_TIMEOUT_S)
+            wait_for_mitmproxy(self.proc, self.port, self.log, PROXY_START_TIMEOUT_S, self.host)
         except TimeoutError:
             self.kill()
             raise

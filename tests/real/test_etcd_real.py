@@ -1,7 +1,9 @@
 """Several proxies sharing sessions through etcd (issue #33), with real processes: a 3-member
-etcd cluster on loopback, two mitmdump proxies (each its own state folder; only etcd and the
-slot folder shared, as two hosts would), one llama-server (-np 2 -c 4096). What the server
-did is read from its own answers (`timings`)."""
+etcd cluster, two or three mitmdump proxies as hosts (each in a network namespace of its own
+with its own address where the machine allows it, else on loopback with its own port: the
+output says which; each its own state folder; only etcd, the network and the slot folder
+shared, as two hosts would), one llama-server (-np 2 -c 4096) on the hosts' gateway. What the
+server did is read from its own answers (`timings`)."""
 
 from __future__ import annotations
 
@@ -15,14 +17,32 @@ from helpers import QUESTIONS, Conversation
 from testbed import long_system_prompt
 
 TTL = 3  # seconds: a killed proxy's slot leases must be gone within this
-OPTIONS = {"slotkeeper_idle_save_seconds": 1, "slotkeeper_max_seeds": 0,
+# The proxies are other hosts: their metrics answer the test (not a loopback client) with a
+# token, as in a deployment.
+TOKEN = "etcd-real-test"
+OPTIONS = {"slotkeeper_idle_save_seconds": 1, "slotkeeper_api_token": TOKEN,
+           "slotkeeper_max_seeds": 0,
            "slotkeeper_etcd_lease_ttl": TTL, "slotkeeper_lock_timeout": 60,
            "slotkeeper_small_request_chars": 500}  # 300-word prompts are sessions here
 
 
-def proxies(make_proxy, server, slot_dir: Path, endpoints: str, count: int, prefix: str):
-    return [make_proxy(server, slotkeeper_slot_dir=str(slot_dir), slotkeeper_etcd=endpoints,
-                       slotkeeper_etcd_prefix=prefix, **OPTIONS) for _ in range(count)]
+def bed(proxy_hosts, make_etcd, make_llama, slot_dir: Path, count: int):
+    """`count` hosts for proxies, a 3-member etcd cluster and a llama-server both served where
+    the hosts reach them."""
+    hosts = proxy_hosts(count)
+    etcd = make_etcd(3, also_on=hosts.gateway if hosts.isolated else "")
+    server = make_llama(np=2, ctx=4096, slot_save_path=slot_dir, host=hosts.gateway)
+    return hosts, etcd, server
+
+
+def proxies(make_proxy, hosts, server, etcd, slot_dir: Path, prefix: str, on: range):
+    """A proxy on each of `hosts.hosts[i]` for i in `on`, in front of `server`."""
+    made = [make_proxy(server, host=hosts.hosts[i], slotkeeper_slot_dir=str(slot_dir),
+                       slotkeeper_etcd=etcd.endpoints_at(hosts.gateway),
+                       slotkeeper_etcd_prefix=prefix, **OPTIONS) for i in on]
+    for i, proxy in zip(on, made):
+        assert proxy.url.startswith(f"http://{hosts.hosts[i].address}:"), proxy.url
+    return made
 
 
 def run_sessions(urls: list[str], tag: str, sessions: int = 4, turns: int = 4,
@@ -62,12 +82,11 @@ def assert_kept_turns_found_their_kv(conversations: list[Conversation]) -> None:
 
 
 def test_turns_alternating_between_two_proxies_prefill_as_through_one(
-        make_llama, make_proxy, make_etcd, tmp_path):
-    etcd = make_etcd(3)
+        proxy_hosts, make_llama, make_proxy, make_etcd, tmp_path):
     slot_dir = tmp_path / "slots"
-    server = make_llama(np=2, ctx=4096, slot_save_path=slot_dir)
-    two = proxies(make_proxy, server, slot_dir, etcd.endpoints, 2, "/two/")
-    one = proxies(make_proxy, server, slot_dir, etcd.endpoints, 1, "/one/")
+    hosts, etcd, server = bed(proxy_hosts, make_etcd, make_llama, slot_dir, 3)
+    two = proxies(make_proxy, hosts, server, etcd, slot_dir, "/two/", range(2))
+    one = proxies(make_proxy, hosts, server, etcd, slot_dir, "/one/", range(2, 3))
     through_two = run_sessions([p.url for p in two], "two", seed=10)
     through_one = run_sessions([one[0].url], "one", seed=10)
     two_total, one_total = later_prefill(through_two), later_prefill(through_one)
@@ -76,12 +95,11 @@ def test_turns_alternating_between_two_proxies_prefill_as_through_one(
     assert_kept_turns_found_their_kv(through_two + through_one)
 
 
-def test_a_killed_proxy_frees_its_slots_and_the_session_goes_on(make_llama, make_proxy,
-                                                                make_etcd, tmp_path):
-    etcd = make_etcd(3)
+def test_a_killed_proxy_frees_its_slots_and_the_session_goes_on(
+        proxy_hosts, make_llama, make_proxy, make_etcd, tmp_path):
     slot_dir = tmp_path / "slots"
-    server = make_llama(np=2, ctx=4096, slot_save_path=slot_dir)
-    a, b = proxies(make_proxy, server, slot_dir, etcd.endpoints, 2, "/kill/")
+    hosts, etcd, server = bed(proxy_hosts, make_etcd, make_llama, slot_dir, 2)
+    a, b = proxies(make_proxy, hosts, server, etcd, slot_dir, "/kill/", range(2))
     c = Conversation("killed", long_system_prompt(300, seed=40))
     first = c.ask(a.url, "Name one prime number.")
     # A long answer streams through A; A is SIGKILLed mid-stream, holding the slot's lease.
@@ -94,6 +112,13 @@ def test_a_killed_proxy_frees_its_slots_and_the_session_goes_on(make_llama, make
         a.proc.send_signal(signal.SIGKILL)
         a.proc.wait(10)
         killed = time.monotonic()
+    # The killed proxy's keys (its slot lease on its etcd lease), watched while B serves the
+    # next turn: when they go is the TTL's doing, not the next turn's.
+    held = set(lock_keys(etcd, "/kill/"))
+    assert held, "the killed proxy held no slot lease"
+    gone_at: list[float] = []
+    watch = threading.Thread(target=wait_gone, args=(etcd, held, TTL + 5, gone_at))
+    watch.start()
     second = c.ask(b.url, "And another prime number?")
     waited = time.monotonic() - killed
     print(f"next turn through the other proxy answered {waited:.1f} s after the kill "
@@ -101,29 +126,41 @@ def test_a_killed_proxy_frees_its_slots_and_the_session_goes_on(make_llama, make
     assert second.action is not None, "passed through unpinned"
     assert waited < TTL + 15, waited
     assert second.cache_n >= 0.9 * first.prompt_tokens, (first, second)
-    # The killed proxy's slot lease (a key on its etcd lease) is gone within the TTL: after
-    # that nothing is held (B released its own lease when its answer ended).
-    while lock_keys(etcd, "/kill/") and time.monotonic() - killed < TTL + 5:
-        time.sleep(0.1)
-    gone = time.monotonic() - killed
+    watch.join()
+    assert gone_at, f"{held & set(lock_keys(etcd, '/kill/'))} still held {TTL + 5} s after"
+    gone = gone_at[0] - killed
     print(f"the killed proxy's slot lease was gone {gone:.1f} s after the kill (TTL {TTL} s)")
-    assert not lock_keys(etcd, "/kill/"), lock_keys(etcd, "/kill/")
     assert gone <= TTL + 1.5, gone
+    # Then nothing is held once B's answer and its idle save have ended.
+    end = time.monotonic() + 10
+    while lock_keys(etcd, "/kill/") and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not lock_keys(etcd, "/kill/"), lock_keys(etcd, "/kill/")
+
+
+def wait_gone(etcd, keys: set[str], timeout: float, gone_at: list[float]) -> None:
+    """Appends to `gone_at` the time (monotonic) when none of `keys` is in etcd any more."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not keys & set(lock_keys(etcd, "/kill/")):
+            gone_at.append(time.monotonic())
+            return
+        time.sleep(0.05)
 
 
 def lock_keys(etcd, prefix: str) -> list[str]:
-    """The slot leases and named locks held under `prefix`, read from etcd itself."""
+    """The slot leases, named locks and saves in flight held under `prefix`, read from etcd
+    itself (not the state, nor the hour's writes: records, not held)."""
     import etcd3gw
     port = int(etcd.members[-1].endpoint.rsplit(":", 1)[1])
     return [meta["key"].decode() for _, meta in etcd3gw.client(port=port).get_prefix(prefix)
-            if not meta["key"].endswith(b"/state")]
+            if not meta["key"].endswith(b"/state") and b"/budget/writes/" not in meta["key"]]
 
 
-def test_etcd_members_lost_and_back(make_llama, make_proxy, make_etcd, tmp_path):
-    etcd = make_etcd(3)
+def test_etcd_members_lost_and_back(proxy_hosts, make_llama, make_proxy, make_etcd, tmp_path):
     slot_dir = tmp_path / "slots"
-    server = make_llama(np=2, ctx=4096, slot_save_path=slot_dir)
-    a, b = proxies(make_proxy, server, slot_dir, etcd.endpoints, 2, "/faults/")
+    hosts, etcd, server = bed(proxy_hosts, make_etcd, make_llama, slot_dir, 2)
+    a, b = proxies(make_proxy, hosts, server, etcd, slot_dir, "/faults/", range(2))
     c = Conversation("faults", long_system_prompt(300, seed=50))
     c.ask(a.url, "Name one prime number.")
     etcd.kill(0)  # one member of three: nothing changes
@@ -149,6 +186,7 @@ def test_etcd_members_lost_and_back(make_llama, make_proxy, make_etcd, tmp_path)
 
 
 def store_reachable(proxy) -> float:
-    text = requests.get(proxy.url + "/slotkeeper/metrics", timeout=5).text
+    text = requests.get(proxy.url + "/slotkeeper/metrics", timeout=5,
+                        headers={"Authorization": f"Bearer {TOKEN}"}).text
     return next(float(line.split()[-1]) for line in text.splitlines()
                 if line.startswith("slotkeeper_store_reachable "))

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ..decisions import choice, placement
+from ..decisions import choice, fingerprints, placement
 from ..identity.identity import Identity
 from ..snapshots.saves import Saves
 from ..snapshots.slotfiles import SlotFolder
@@ -206,7 +206,8 @@ class Pool:
             reuse = max(rec.tokens, live_tokens)
         elif props is not None:
             for meta in metas:
-                if (meta is not None and meta.fingerprint == props.fingerprint
+                if (meta is not None
+                        and fingerprints.same_model(meta.fingerprint, props.fingerprint)
                         and meta.n_tokens <= props.n_ctx):
                     reuse = max(reuse, meta.n_tokens)
         return placement.ServerView(

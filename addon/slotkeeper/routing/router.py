@@ -27,6 +27,7 @@ from ..snapshots.saves import Saves
 from ..snapshots.seeds import SeedBuilder
 from ..snapshots.slotfiles import SlotFolder
 from ..snapshots.snapshots import Snapshots
+from ..store.budgets import Ledger
 from ..store.locks import SlotLocks
 from ..store.state import StateFile
 from ..upstream.models import Kinds, model_of_body, split_key
@@ -52,13 +53,16 @@ FINISH_WAIT_SECONDS = 5.0
 
 class Router:
     def __init__(self, config: RouterConfig, state: StateFile, locks: SlotLocks,
-                 folder: SlotFolder | None, clock: Callable[[], float] = time.time) -> None:
+                 folder: SlotFolder | None, clock: Callable[[], float] = time.time,
+                 ledger: Ledger | None = None) -> None:
         self.config = config
         self.state = state
         self.locks = locks
         self.folder = folder
         self.clock = clock
-        self.snapshots = Snapshots(folder, locks, clock) if folder is not None else None
+        # ledger: the budgets' accounting, the store's (None: this process's own)
+        self.snapshots = (Snapshots(folder, locks, clock, ledger=ledger)
+                          if folder is not None else None)
         seeds = (SeedBuilder(self.snapshots, config.seed_min_chars, config.max_seeds)
                  if self.snapshots is not None else None)
         kinds = Kinds(config.slots_timeout, config.api_key)

@@ -22,7 +22,9 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .paths import FILE_NAME_RE, META_RE, SAVING_RE, TEMP_RE, file_name_for, inside, require
+from ..decisions import fingerprints
+from .paths import (FILE_NAME_RE, META_RE, SAVING_RE, TEMP_RE, PathOutsideFolder,
+                    file_name_for, inside, require)
 
 log = logging.getLogger("slotkeeper.slotfiles")  # the name log filters know
 
@@ -182,7 +184,7 @@ def restorable(meta: SessionMeta | None, header: StateHeader | None, file_size: 
         return False, "no snapshot"
     if meta.misses >= MAX_MISSES:
         return False, f"retired after {meta.misses} misses"
-    if meta.fingerprint != fingerprint:
+    if not fingerprints.same_model(meta.fingerprint, fingerprint):
         return False, "model changed"
     if header is None:
         return False, f"not a llama state file ({file_size} bytes)"
@@ -336,6 +338,13 @@ class SlotFolder:
         try:
             return self.state_path(session_id).stat().st_size
         except OSError:
+            return 0
+
+    def file_size(self, name: str) -> int:
+        """The size of a save's temp file `name` so far (0: none, or not such a name)."""
+        try:
+            return self._size(self._inside(require(_SAVING_RE, name)))
+        except PathOutsideFolder:
             return 0
 
     def saving_name(self, session_id: str) -> str:

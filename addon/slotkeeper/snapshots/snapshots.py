@@ -11,14 +11,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 from ..decisions import pricing
 from ..observe import metrics
+from ..store.budgets import Ledger, LocalLedger
 from ..store.locks import SlotLocks
 from ..upstream.client import ServerProps, Upstream, UpstreamError
 from .paths import file_name_for
 from .slotfiles import SessionMeta, SlotFolder
-from .writes import WriteWindow
 
 log = logging.getLogger("slotkeeper")
 
@@ -37,12 +38,15 @@ def seed_id(seed_key: str) -> str:
 class Snapshots:
     def __init__(self, folder: SlotFolder, locks: SlotLocks,
                  clock: Callable[[], float] = time.time,
-                 lock_timeout: float = SNAPSHOT_LOCK_TIMEOUT) -> None:
+                 lock_timeout: float = SNAPSHOT_LOCK_TIMEOUT, ledger: Ledger | None = None
+                 ) -> None:
         self.folder = folder
         self.locks = locks
         self.clock = clock
         self.lock_timeout = lock_timeout
-        self.writes = WriteWindow()  # bytes saved within the hour: the write budget's count
+        # The budgets' accounting: bytes saved within the hour (the write budget) and the
+        # saves in flight (the disk budget), this process's or the cluster's (store.budgets).
+        self.writes: Ledger = ledger if ledger is not None else LocalLedger()
 
     def check(self, props: ServerProps, snapshot: str, message_count: int) -> tuple[bool, str]:
         return self.folder.check(snapshot, fingerprint=props.fingerprint, n_ctx=props.n_ctx,
@@ -73,12 +77,30 @@ class Snapshots:
         # largest snapshot there is (sizes are not linear in tokens, so no per-token guess).
         expected = old.size_bytes if old else max(
             (m.size_bytes for m in folder.list_sessions()), default=0)
-        folder.make_room(expected, keep={owner})
+        saving = folder.saving_name(owner)
+        # Reserved before the others' reservations are read: of two saves starting at once,
+        # at least one makes room for both (store.budgets).
+        # No disk budget: nothing to make room for, no round trip to etcd.
+        budgeted = folder.max_bytes > 0
+        with self.writes.reserve(saving, expected) if budgeted else nullcontext():
+            folder.make_room(expected + self._others_pending(saving), keep={owner})
+            return self._save_reserved(client, props, slot, owner, messages, kind, old,
+                                       saving, expected)
+
+    def _others_pending(self, saving: str) -> int:
+        """Bytes the other saves in flight (any proxy's, with the etcd store) will still add."""
+        if not self.folder.max_bytes:
+            return 0
+        return self.writes.pending(self.folder.file_size, exclude=saving)
+
+    def _save_reserved(self, client: Upstream, props: ServerProps, slot: int, owner: str,
+                       messages: int, kind: str, old: SessionMeta | None, saving: str,
+                       expected: int) -> int:
+        folder = self.folder
         # The server writes in place (over whatever has the name), so it writes under a fresh
         # name and the verified file is renamed over the old snapshot: a save that fails while
         # writing (disk full, read-only folder) or a proxy killed meanwhile leaves the previous
         # snapshot whole and restorable.
-        saving = folder.saving_name(owner)
         t0 = time.monotonic()
         try:
             answer = client.save(slot, saving, expected_bytes=expected)
@@ -119,7 +141,8 @@ class Snapshots:
             size_bytes=size, misses=0, crc32=crc,
         ))
         try:
-            folder.make_room(0, keep={owner})  # the estimate may have been low
+            # the estimate may have been low
+            folder.make_room(self._others_pending(saving), keep={owner})
         except OSError as e:
             log.warning("disk budget check after saving %s failed: %s", owner, e)
         log.info("saved %s from slot %d: %d tokens, %d bytes in %.0f ms (%.0f ms with the wait "
@@ -209,7 +232,7 @@ class Snapshots:
             return self.folder.delete(snapshot)
 
 
-def _count_save(client: Upstream, writes: WriteWindow, size: int, n_saved: int,
+def _count_save(client: Upstream, writes: Ledger, size: int, n_saved: int,
                 save_ms: float) -> None:
     """A save in the metrics, the server's measured costs and the hour's writes."""
     metrics.slot_op("save", seconds=save_ms / 1000, nbytes=size, tokens=n_saved)

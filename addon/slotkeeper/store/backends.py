@@ -1,16 +1,17 @@
 """Which store a process uses: the JSON state file and flock locks on one machine (the
-default), or etcd for proxies on several hosts (issue #33). Both give the same two objects,
-the state (read, last_read, update) and the locks (try_acquire, acquire, snapshot,
-placement), so nothing above the store knows which it has."""
+default), or etcd for proxies on several hosts (issue #33). Both give the same three objects,
+the state (read, last_read, update), the locks (try_acquire, acquire, snapshot, placement)
+and the budgets' ledger (budgets.Ledger), so nothing above the store knows which it has."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
+from .budgets import Ledger, LocalLedger
 from .locks import SlotLease, SlotLocks
 from .state import StateDoc, StateFile, StoreUnavailable
 
@@ -45,6 +46,8 @@ class Store:
     state: State
     locks: Locks
     etcd: EtcdConnection | None = None  # None: the file backend
+    # The disk and write budgets' accounting: this process's own, or the cluster's in etcd.
+    ledger: Ledger = field(default_factory=LocalLedger)
 
     def describe(self) -> str:
         """For `slotkeeper status` and the log: which store, and whether it answers."""
@@ -110,13 +113,15 @@ def open_store(state_path: Path, etcd: str = "", prefix: str = DEFAULT_PREFIX,
     endpoints = parse_endpoints(etcd)
     prefix = check_prefix(prefix)
     try:
+        from .etcd_budgets import EtcdLedger
         from .etcd_conn import EtcdConnection
         from .etcd_locks import EtcdLocks
         from .etcd_state import EtcdState
     except ImportError as e:
         raise ValueError(f"{e}: install slotkeeper[etcd] (etcd3gw) to use etcd") from None
     conn = EtcdConnection(endpoints, lease_ttl)
-    store = Store(EtcdState(conn, prefix), EtcdLocks(conn, prefix), conn)
+    store = Store(EtcdState(conn, prefix), EtcdLocks(conn, prefix), conn,
+                  EtcdLedger(conn, prefix))
     try:
         conn.call(conn.probe, probe=True)
         log.info("state in etcd %s under %s (lease TTL %d s)", ",".join(endpoints), prefix,

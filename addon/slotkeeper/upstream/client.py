@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,8 +14,10 @@ import requests
 import urllib3
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
+from ..decisions import fingerprints
 from ..decisions.choice import SlotView
 from .costs import Costs
+from .model_digest import content_digest
 
 log = logging.getLogger("slotkeeper")
 
@@ -80,40 +81,44 @@ class ServerProps:
     model_path: str
     build_info: str
     raw: dict[str, Any]
-    # What else the server says about what its KV cells mean (kv_identity): the model
-    # file's identity, its shape, the LoRA adapters. "" when not read (older callers).
+    # What else the server says about what its KV cells mean (kv_identity): the model's
+    # shape, the LoRA adapters. "" when not read (older callers).
     identity: str = ""
+    # The model file's content digest (model_digest), "" when this proxy cannot read it.
+    content: str = ""
 
     @property
     def fingerprint(self) -> str:
         """What a state file belongs to: every part of the server's answers that changes what
-        a KV cell means (issue #21, item 4). A snapshot of another model restores without
-        complaint when its shapes match, and its token ids still match the prompt, so the
-        server reuses KV computed by another model: model path, build and slot count were not
-        enough. n_ctx per slot is in too (the issue lists it: with context-dependent rope
-        scaling the same token's K differs)."""
-        key = json.dumps([self.model_path, self.build_info, self.total_slots, self.n_ctx,
-                          self.raw.get("model_ftype"), self.identity])
-        return hashlib.sha256(key.encode()).hexdigest()[:16]
+        a KV cell means (issue #21, item 4), the same whichever proxy on whichever host reads
+        them (issue #33): nothing of the proxy's own view of the file (path, inode, mtime).
+        A snapshot of another model restores without complaint when its shapes match, and its
+        token ids still match the prompt, so the server would reuse KV computed by another
+        model. n_ctx per slot is in too (with context-dependent rope scaling the same token's
+        K differs). The model file's content digest follows a dot when this proxy could read
+        the file: fingerprints.same_model compares it only when both sides have one."""
+        key = json.dumps([self.build_info, self.total_slots, self.n_ctx,
+                          self.raw.get("model_ftype"), file_name(self.model_path),
+                          _text_digest(self.raw.get("chat_template")), self.identity])
+        return fingerprints.compose(hashlib.sha256(key.encode()).hexdigest()[:16], self.content)
 
 
-# How much of the model file is hashed: the GGUF header and the start of its metadata (the
-# architecture's hyperparameters come first; the tokenizer's arrays follow). Measured ~1 ms.
-MODEL_HEAD_BYTES = 1024 * 1024
+def file_name(path: object) -> str:
+    """The last part of a path as the server wrote it (POSIX or Windows): a copy of one GGUF
+    at another folder on another host has the same name."""
+    return str(path or "").replace("\\", "/").rsplit("/", 1)[-1]
 
 
-def model_file_identity(path: str) -> list[Any]:
-    """The model file as this machine sees it at `path` (the server's model_path): device,
-    inode, size, modification time, and a hash of its first MiB. A GGUF replaced at the same
-    path, or edited in place, changes it. [] when the file is not readable here (a server on
-    another machine): then only what the server itself says counts."""
-    try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            head = hashlib.sha256(f.read(MODEL_HEAD_BYTES)).hexdigest()[:16]
-    except (OSError, ValueError):
-        return []
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, head]
+def _text_digest(text: object) -> str:
+    return hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:16] \
+        if isinstance(text, str) else ""
+
+
+def lora_identity(adapters: object) -> list[list[Any]] | None:
+    """The LoRA adapters by file name and scale (their folder differs from host to host)."""
+    if not isinstance(adapters, list):
+        return None
+    return [[file_name(a.get("path")), a.get("scale")] for a in adapters if isinstance(a, dict)]
 
 
 class Upstream:
@@ -189,6 +194,7 @@ class Upstream:
                 build_info=str(data.get("build_info", "")),
                 raw=data,
                 identity=self.kv_identity(model_path),
+                content=content_digest(model_path),
             )
         except (TypeError, ValueError):
             raise UpstreamError("GET /props: unexpected field types") from None
@@ -196,7 +202,7 @@ class Upstream:
     def kv_identity(self, model_path: str) -> str:
         """The model's shape as /v1/models says it (parameters, tensor bytes, embedding and
         vocabulary sizes, training context), the LoRA adapters and their scales
-        (/lora-adapters), and the model file's identity on this machine. Not visible over
+        (/lora-adapters). Not visible over
         HTTP: rope/YaRN overrides and control vectors (docs/DESIGN.md); a KV cache of
         another type (-ctk/-ctv) is refused by the server's own restore."""
         models = self._get("/v1/models", optional=True)
@@ -204,11 +210,8 @@ class Upstream:
         if isinstance(models, dict) and isinstance(models.get("data"), list) and models["data"]:
             first = models["data"][0]
             meta = first.get("meta") if isinstance(first, dict) else None
-        adapters = self._get("/lora-adapters", optional=True)
-        loras = ([[a.get("path"), a.get("scale")] for a in adapters if isinstance(a, dict)]
-                 if isinstance(adapters, list) else None)
-        return json.dumps([meta, loras, model_file_identity(model_path)], sort_keys=True,
-                          default=str)
+        loras = lora_identity(self._get("/lora-adapters", optional=True))
+        return json.dumps([meta, loras], sort_keys=True, default=str)
 
     def n_ctx_train(self) -> int:
         """The model's training context (GET /v1/models meta), 0 when the server does not say."""

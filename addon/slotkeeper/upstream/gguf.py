@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,31 +83,65 @@ class _Reader:
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """Scalar and string keys of the header, plus `general.parameter_count` (the sum of the
     tensors' element counts) when the file does not carry it. Raises NotGguf or OSError."""
+    layout = read_layout(path)
+    layout.meta.setdefault("general.parameter_count",
+                           sum(math.prod(t.dims) for t in layout.tensors))
+    return layout.meta
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dims: tuple[int, ...]
+    offset: int  # in the file, from its start
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The header as read: its scalar and string keys, the tensor table (offsets made
+    absolute), where the header ends and the file's size."""
+    meta: dict[str, Any]
+    tensors: list[Tensor]
+    header_end: int
+    file_size: int
+
+
+def read_layout(path: str | Path) -> Layout:
+    """The header and tensor table of a GGUF file, without reading the weights. Raises
+    NotGguf or OSError."""
     with open(path, "rb") as f:
         try:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:  # an empty file
             raise NotGguf("empty file") from None
     with data:
-        r = _Reader(data)
-        if bytes(data[:4]) != MAGIC:
-            raise NotGguf("no GGUF magic")
-        r.at = 4
-        version = r.take("<I")
-        if version < 2:
-            raise NotGguf(f"GGUF version {version} is too old")
-        n_tensors, n_kv = r.take("<Q"), r.take("<Q")
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = r.string()
-            value = r.value(r.take("<I"))
-            if value is not None:
-                meta[key] = value
-        params = 0
-        for _ in range(n_tensors):
-            r.string()  # the tensor's name
-            dims = [r.take("<Q") for _ in range(r.take("<I"))]
-            r.at += 12  # type (u32) and offset (u64)
-            params += math.prod(dims)
-    meta.setdefault("general.parameter_count", params)
-    return meta
+        return _walk(data)
+
+
+def _walk(data: mmap.mmap) -> Layout:
+    r = _Reader(data)
+    if bytes(data[:4]) != MAGIC:
+        raise NotGguf("no GGUF magic")
+    r.at = 4
+    version = r.take("<I")
+    if version < 2:
+        raise NotGguf(f"GGUF version {version} is too old")
+    n_tensors, n_kv = r.take("<Q"), r.take("<Q")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = r.string()
+        value = r.value(r.take("<I"))
+        if value is not None:
+            meta[key] = value
+    table = []
+    for _ in range(n_tensors):
+        name = r.string()
+        dims = tuple(r.take("<Q") for _ in range(r.take("<I")))
+        r.take("<I")  # the tensor's type
+        table.append((name, dims, r.take("<Q")))
+    # The data section starts at the next multiple of general.alignment (32 by default).
+    align = meta.get("general.alignment", 32)
+    align = align if isinstance(align, int) and align > 0 else 32
+    start = -(-r.at // align) * align
+    tensors = [Tensor(name, dims, start + offset) for name, dims, offset in table]
+    return Layout(meta, tensors, r.at, len(data))

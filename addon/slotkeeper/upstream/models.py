@@ -17,7 +17,7 @@ from urllib.parse import quote, unquote
 
 import requests
 
-from .client import SlotsUnavailable, Upstream, UpstreamError, model_file_identity
+from .client import SlotsUnavailable, Upstream, UpstreamError, lora_identity
 from .upstream_models import (
     RUNNING_STATES,
     SwapClient,
@@ -189,8 +189,7 @@ class ModelUpstream(Upstream):
         items = listed.get("data") if isinstance(listed, dict) else None
         meta = next((m.get("meta") for m in items or () if isinstance(m, dict)
                      and m.get("id") == self.model), None)
-        return json.dumps([meta, loras, model_file_identity(model_path)], sort_keys=True,
-                          default=str)
+        return json.dumps([meta, lora_identity(loras)], sort_keys=True, default=str)
 
     def slots(self):
         if self.kind == SWAP and not self._swap_ready():

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..decisions import policy
+from ..decisions import fingerprints, policy
 from ..store.memories import MAX_REMEMBERED_SESSIONS, Recent, Seen
 from ..store.state import StateDoc, StateFile
 from .client import ServerProps, SlotsUnavailable, Upstream, UpstreamError
@@ -162,7 +162,8 @@ def _reconcile(doc: StateDoc, url: str, fingerprint: str, live: dict | None,
     fresh proxy at once: the second one's verification read the first one's slot mid-prompt,
     so it was never saved)."""
     up = doc.upstream(url)
-    restarted = bool(up.fingerprint) and up.fingerprint != fingerprint
+    restarted = bool(up.fingerprint) and not fingerprints.same_model(up.fingerprint,
+                                                                    fingerprint)
     up.fingerprint = fingerprint
     dropped = False
     for slot_id, rec in list(up.slots.items()):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from slotkeeper.decisions.choice import SlotView
 from slotkeeper.decisions.pricing import Rates
 from slotkeeper.snapshots.saves import LATER, NOT_THIS_HOUR, NOW, Saves
-from slotkeeper.snapshots.writes import WriteWindow
+from slotkeeper.store.budgets import WriteWindow
 
 MB = 1_000_000
 # 10 MB a save at 5 MB/s: 2 s of stall for the other slots.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from slotkeeper.snapshots.writes import HOUR, WriteWindow
+from slotkeeper.store.budgets import HOUR, WriteWindow
 
 
 class Clock:
