@@ -43,6 +43,7 @@ from .observe import metrics
 from .observe.contentview import MitmwebView
 from .observe.streamed import StreamedBodies
 from .routing.router import Router
+from .store import backends
 from .routing.routes import CLIENT, KEPT, NoUpstream, Route
 from .surfaces.messages import AnthropicMessages
 from .surfaces.ollama_surface import OllamaSurface
@@ -62,6 +63,7 @@ CLOSE_WAIT_SECONDS = 2.0
 class SlotKeeper:
     def __init__(self) -> None:
         self.router: Router | None = None
+        self.store: backends.Store | None = None  # the store the router uses
         self.identity_config = IdentityConfig()
         self.slot_dir_problem = ""  # why sessions cannot be saved, shown by the session API
         self.max_body_bytes = 32 * 1024 * 1024
@@ -88,7 +90,12 @@ class SlotKeeper:
         (fault 6). A new router adopts what the old one knew."""
         if not any(name.startswith("slotkeeper_") for name in updated) and self.router:
             return
-        built = settings.build(ctx.options)
+        built = settings.build(ctx.options, self.store)
+        if self.store is not None and built.store is not self.store:
+            # Another etcd (or the file): the old connection's watch and keep-alive end, and
+            # its lease is revoked (the leases of requests still in flight on it go too).
+            self.store.close()
+        self.store = built.store
         self.slot_dir_problem = built.slot_dir_problem
         self.identity_config = built.identity_config
         self.max_body_bytes = built.max_body_bytes
@@ -342,6 +349,9 @@ class SlotKeeper:
         self._close()
 
     def _close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.release_pool.shutdown(wait=False, cancel_futures=True)
 

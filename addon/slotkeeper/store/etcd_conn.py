@@ -9,9 +9,11 @@ mitmproxy's own pins (docs/DESIGN.md, "Beyond one machine")."""
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import base64
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +45,16 @@ def unb64(text: str) -> bytes:
     return base64.b64decode(text)
 
 
+def on_event_loop() -> bool:
+    """Called from the event loop's thread (the kept request's fast path): the store then
+    answers from memory or says no, never makes a round trip (a worker retries with one)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def range_end(prefix: str) -> str:
     """The end of the key range that starts with `prefix` (etcd's "prefix" convention)."""
     raw = bytearray(prefix.encode())
@@ -64,6 +76,13 @@ class EtcdConnection:
         self._lease_id: int | None = None
         self._lease_mutex = threading.Lock()
         self._pending_deletes: list[Callable[[], Any]] = []  # releases etcd did not get
+        self.request_timeout = REQUEST_TIMEOUT
+        # Releases, made by a thread of their own: a lease ends on the event loop (a kept
+        # request's end) and must not wait there for etcd.
+        self._later: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
+        self._releaser = threading.Thread(target=self._release_loop,
+                                          name="slotkeeper-etcd-release", daemon=True)
+        self._releaser.start()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keep_alive, name="slotkeeper-etcd",
                                         daemon=True)
@@ -75,6 +94,34 @@ class EtcdConnection:
     @property
     def reachable(self) -> bool:
         return self.down_since is None
+
+    @property
+    def good(self) -> int:
+        """The index of the endpoint that answered last (where the watch connects)."""
+        return self._good
+
+    def later(self, release: Callable[[], Any]) -> None:
+        """Run `release` on the release thread; one etcd does not get is retried by the
+        keep-alive thread (`defer`)."""
+        self._later.put(release)
+
+    def _release_loop(self) -> None:
+        while True:
+            release = self._later.get()
+            if release is None:
+                return
+            try:
+                release()
+            except StoreUnavailable:
+                self.defer(release)
+            except Exception:  # the thread must outlive any one failure
+                log.exception("etcd release failed")
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until the releases queued so far were made (tests; shutdown)."""
+        done = threading.Event()
+        self._later.put(done.set)
+        return done.wait(timeout)
 
     def call(self, fn: Callable[[etcd3gw.client.Etcd3Client], T], probe: bool = False) -> T:
         """`fn` against the last good endpoint, then the others. While the cluster is known
@@ -178,7 +225,12 @@ class EtcdConnection:
     def close(self) -> None:
         """Stop the keep-alive and revoke the lease: this process's locks go at once (on a
         SIGKILL they go when the TTL runs out)."""
+        if self._stop.is_set():
+            return
+        atexit.unregister(self.close)
         self._stop.set()
+        self.flush(REQUEST_TIMEOUT)
+        self._later.put(None)
         with self._lease_mutex:
             lease_id, self._lease_id = self._lease_id, None
         if lease_id is not None:
