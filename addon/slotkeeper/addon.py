@@ -102,6 +102,7 @@ class SlotKeeper:
         self.api_token = built.api_token
         self.idle_saves.seconds = built.idle_save_seconds
         router = Router(built.router_config, built.state, built.locks, built.folder)
+        router.accounting.background = in_background(self.release_pool)
         if self.router is not None and self.router.state.path == built.state.path:
             router.adopt(self.router)
         self.router = router
@@ -354,6 +355,20 @@ class SlotKeeper:
             self.store = None
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.release_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def in_background(pool: ThreadPoolExecutor) -> Callable[[Callable[[], None]], None]:
+    """What runs a state write no answer waits for (a kept request's usage record) on `pool`."""
+    def submit(write: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                write()
+            except Exception:  # StoreUnavailable included: the record is a hint
+                log.exception("writing a usage record failed")
+
+        pool.submit(run)
+
+    return submit
 
 
 async def close_client_connections(deadline: float) -> None:

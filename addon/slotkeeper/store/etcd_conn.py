@@ -3,8 +3,8 @@ quick "down" verdict so a dead cluster costs a request no wait, and the process'
 every lock it holds is attached to, kept alive by a thread of its own.
 
 Through etcd's JSON gateway with etcd3gw (synchronous, requests-based): every store call is
-already made from a worker thread (or, for a kept slot's shared lease, as one quick call on
-the event loop), so a blocking client fits, and it adds no gRPC or protobuf beside
+made from a worker thread or the connection's own threads (on the event loop a kept request
+answers from the watch-fed copy, etcd_mirror.py, and makes none), so a blocking client fits, and it adds no gRPC or protobuf beside
 mitmproxy's own pins (docs/DESIGN.md, "Beyond one machine")."""
 
 from __future__ import annotations
@@ -126,8 +126,7 @@ class EtcdConnection:
     def call(self, fn: Callable[[etcd3gw.client.Etcd3Client], T], probe: bool = False) -> T:
         """`fn` against the last good endpoint, then the others. While the cluster is known
         down, StoreUnavailable at once: only the keep-alive thread (`probe`) tries it, so no
-        request (and never the event loop, where a kept slot's lease is taken) waits on a
-        dead cluster or a member without quorum."""
+        request waits on a dead cluster or a member without quorum."""
         if self.down_since is not None and not probe:
             raise StoreUnavailable(f"etcd {','.join(self.endpoints)} unreachable")
         errors = []
