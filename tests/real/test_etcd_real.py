@@ -1,6 +1,6 @@
 """Several proxies sharing sessions through etcd (issue #33), with real processes: a 3-member
-etcd cluster on loopback, two mitmdump proxies (each its own state folder; only etcd and the
-slot folder shared, as two hosts would), one llama-server (-np 2 -c 4096). What the server
+etcd cluster on loopback, two or three mitmdump proxies (each its own state folder; only etcd
+and the slot folder shared, as hosts would), one llama-server (-np 2 -c 4096). What the server
 did is read from its own answers (`timings`)."""
 
 from __future__ import annotations
@@ -61,19 +61,19 @@ def assert_kept_turns_found_their_kv(conversations: list[Conversation]) -> None:
                 assert turn.cache_n >= 0.9 * before.prompt_tokens, (c.session, before, turn)
 
 
-def test_turns_alternating_between_two_proxies_prefill_as_through_one(
+def test_turns_going_round_three_proxies_prefill_as_through_one(
         make_llama, make_proxy, make_etcd, tmp_path):
     etcd = make_etcd(3)
     slot_dir = tmp_path / "slots"
     server = make_llama(np=2, ctx=4096, slot_save_path=slot_dir)
-    two = proxies(make_proxy, server, slot_dir, etcd.endpoints, 2, "/two/")
+    three = proxies(make_proxy, server, slot_dir, etcd.endpoints, 3, "/three/")
     one = proxies(make_proxy, server, slot_dir, etcd.endpoints, 1, "/one/")
-    through_two = run_sessions([p.url for p in two], "two", seed=10)
+    through_three = run_sessions([p.url for p in three], "three", seed=10)
     through_one = run_sessions([one[0].url], "one", seed=10)
-    two_total, one_total = later_prefill(through_two), later_prefill(through_one)
-    print(f"later turns prefilled: {two_total} through two proxies, {one_total} through one")
-    assert two_total <= 1.05 * one_total, (two_total, one_total)
-    assert_kept_turns_found_their_kv(through_two + through_one)
+    three_total, one_total = later_prefill(through_three), later_prefill(through_one)
+    print(f"later turns prefilled: {three_total} through three proxies, {one_total} through one")
+    assert three_total <= 1.05 * one_total, (three_total, one_total)
+    assert_kept_turns_found_their_kv(through_three + through_one)
 
 
 def test_a_killed_proxy_frees_its_slots_and_the_session_goes_on(make_llama, make_proxy,
