@@ -96,6 +96,10 @@ class EtcdConnection:
         return self.down_since is None
 
     @property
+    def closed(self) -> bool:
+        return self._stop.is_set()
+
+    @property
     def good(self) -> int:
         """The index of the endpoint that answered last (where the watch connects)."""
         return self._good

@@ -171,3 +171,26 @@ def test_status_and_metrics_say_which_store_and_whether_it_answers(tmp_path):
         store.close()
     file_store = open_store(tmp_path / "s.json")
     assert "Store: state file" in render(Report("proxy", "x", store=store_of(file_store.state)))
+
+
+def test_reconfiguring_keeps_the_etcd_store_or_closes_it(tmp_path, etcd_cluster):
+    """Any slotkeeper_ option change rebuilds the router: the same etcd options keep the
+    connection (its lease, its watch, the leases of requests in flight); others close it."""
+    from mitmproxy.test import taddons
+
+    from slotkeeper.addon import SlotKeeper
+
+    keeper = SlotKeeper()
+    with taddons.context(keeper) as tctx:
+        tctx.configure(keeper, slotkeeper_state_file=str(tmp_path / "state.json"),
+                       slotkeeper_etcd=etcd_cluster.endpoints, slotkeeper_etcd_prefix="/re/")
+        first = keeper.store
+        assert first is not None and first.etcd is not None
+        tctx.configure(keeper, slotkeeper_ttl=77)
+        assert keeper.store is first and keeper.router.state is first.state
+        tctx.configure(keeper, slotkeeper_etcd_prefix="/re-other/")
+        assert keeper.store is not first and keeper.router.state.key == "/re-other/state"
+        assert first.etcd.closed and not first.mirror.synced  # closed, not leaked
+        keeper.store.close()
+        keeper.pool.shutdown()
+        keeper.release_pool.shutdown()
