@@ -94,6 +94,8 @@ class EtcdLocks:
 
     def _shared(self, base: str) -> SlotLease | None:
         loop = on_event_loop()
+        # The lease (granted on first use: a round trip) before the mutex the loop takes too.
+        lease = 0 if loop or not self.conn.reachable else self.conn.lease_id()
         with self._mutex:
             held = self._held.get(base)
             if held is not None and self._usable(held, loop):
@@ -105,8 +107,7 @@ class EtcdLocks:
                 return None  # wanted, going or being put; or the loop: a worker puts it
             # A token, so that a release etcd got late (retried after a blip) cannot
             # delete the key of the holders that came after it.
-            held = self._held[base] = _Held(f"{base}sh/{self.conn.lease_id():x}",
-                                            secrets.token_hex(8))
+            held = self._held[base] = _Held(f"{base}sh/{lease:x}", secrets.token_hex(8))
         try:
             revision = self._txn([_absent(base + "ex")], held.key, held.token)
         except BaseException:
@@ -131,7 +132,7 @@ class EtcdLocks:
             held.holders -= 1
             idle = held.holders == 0 and (held.wanted or held.gone)
         if idle:
-            self._drop(base, held, at_once=False)
+            self._drop(base, held, at_once=not on_event_loop())
 
     def _drop(self, base: str, held: _Held, at_once: bool) -> None:
         """Delete an idle key that is wanted (on the release thread, or `at_once` in this
@@ -143,7 +144,10 @@ class EtcdLocks:
         if held.gone:
             self._forget(base, held)
         elif at_once:
-            delete()
+            try:
+                delete()
+            except StoreUnavailable:
+                self.conn.defer(delete)
         else:
             self.conn.later(delete)
 
@@ -168,7 +172,7 @@ class EtcdLocks:
         try:
             return self._until(lambda: self._put_if(base + "ex", base, range_end(base)), wait)
         finally:
-            self.conn.later(lambda: self._delete(want, token))
+            self._let_go(want, token)
 
     def _drop_own_idle(self, base: str) -> None:
         with self._mutex:
@@ -231,8 +235,18 @@ class EtcdLocks:
         if not revision:
             return None
         self.need(revision)
-        return SlotLease(-1, exclusive=True,
-                         on_release=lambda: self.conn.later(lambda: self._delete(key, token)))
+        return SlotLease(-1, exclusive=True, on_release=lambda: self._let_go(key, token))
+
+    def _let_go(self, key: str, token: str) -> None:
+        """A release: made at once in a worker (whoever waits gets it sooner), by the release
+        thread when on the event loop (a route's end), never waited for there."""
+        if on_event_loop():
+            self.conn.later(lambda: self._delete(key, token))
+            return
+        try:
+            self._delete(key, token)
+        except StoreUnavailable:
+            self.conn.defer(lambda: self._delete(key, token))
 
     def _txn(self, compare: list[dict], key: str, value: str) -> int:
         """The put's revision, or 0 when a compare failed."""
