@@ -43,6 +43,7 @@ from .observe import metrics
 from .observe.contentview import MitmwebView
 from .observe.streamed import StreamedBodies
 from .routing.router import Router
+from .store import backends
 from .routing.routes import CLIENT, KEPT, NoUpstream, Route
 from .surfaces.messages import AnthropicMessages
 from .surfaces.ollama_surface import OllamaSurface
@@ -62,6 +63,7 @@ CLOSE_WAIT_SECONDS = 2.0
 class SlotKeeper:
     def __init__(self) -> None:
         self.router: Router | None = None
+        self.store: backends.Store | None = None  # the store the router uses
         self.identity_config = IdentityConfig()
         self.slot_dir_problem = ""  # why sessions cannot be saved, shown by the session API
         self.max_body_bytes = 32 * 1024 * 1024
@@ -88,7 +90,12 @@ class SlotKeeper:
         (fault 6). A new router adopts what the old one knew."""
         if not any(name.startswith("slotkeeper_") for name in updated) and self.router:
             return
-        built = settings.build(ctx.options)
+        built = settings.build(ctx.options, self.store)
+        if self.store is not None and built.store is not self.store:
+            # Another etcd (or the file): the old connection's watch and keep-alive end, and
+            # its lease is revoked (the leases of requests still in flight on it go too).
+            self.store.close()
+        self.store = built.store
         self.slot_dir_problem = built.slot_dir_problem
         self.identity_config = built.identity_config
         self.max_body_bytes = built.max_body_bytes
@@ -96,6 +103,7 @@ class SlotKeeper:
         self.idle_saves.seconds = built.idle_save_seconds
         router = Router(built.router_config, built.state, built.locks, built.folder,
                         ledger=built.ledger)
+        router.accounting.background = in_background(self.release_pool)
         if self.router is not None and self.router.state.path == built.state.path:
             router.adopt(self.router)
         self.router = router
@@ -343,8 +351,25 @@ class SlotKeeper:
         self._close()
 
     def _close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.release_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def in_background(pool: ThreadPoolExecutor) -> Callable[[Callable[[], None]], None]:
+    """What runs a state write no answer waits for (a kept request's usage record) on `pool`."""
+    def submit(write: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                write()
+            except Exception:  # StoreUnavailable included: the record is a hint
+                log.exception("writing a usage record failed")
+
+        pool.submit(run)
+
+    return submit
 
 
 async def close_client_connections(deadline: float) -> None:

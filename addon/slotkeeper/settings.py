@@ -150,6 +150,7 @@ class Settings:
     max_body_bytes: int
     api_token: str
     idle_save_seconds: int
+    store: backends.Store | None = None
 
 
 def check(opts) -> tuple[str, ...]:
@@ -214,8 +215,9 @@ def state_path_of(opts) -> Path:
             else default_state_dir() / "state.json")
 
 
-def build(opts) -> Settings:
-    """Check every option, then make the state file, lock folder and slot folder."""
+def build(opts, previous: backends.Store | None = None) -> Settings:
+    """Check every option, then make the state file, lock folder and slot folder.
+    `previous`: the store in use, reused when the store's options did not change."""
     upstreams = check(opts)
     state_path = state_path_of(opts)
     slot_dir = Path(opts.slotkeeper_slot_dir).expanduser() if opts.slotkeeper_slot_dir else None
@@ -224,7 +226,8 @@ def build(opts) -> Settings:
     # Everything is checked: from here on, files are made.
     try:
         store = backends.open_store(state_path, opts.slotkeeper_etcd,
-                                    opts.slotkeeper_etcd_prefix, opts.slotkeeper_etcd_lease_ttl)
+                                    opts.slotkeeper_etcd_prefix, opts.slotkeeper_etcd_lease_ttl,
+                                    previous)
         state, locks, ledger = store.state, store.locks, store.ledger
     except ValueError as e:  # the etcd client is not installed (the `etcd` extra)
         raise exceptions.OptionsError(f"slotkeeper_etcd: {e}") from None
@@ -253,7 +256,8 @@ def build(opts) -> Settings:
         identity_config=IdentityConfig(extra_headers=tuple(opts.slotkeeper_session_headers),
                                        children_share_parent=opts.slotkeeper_children_share_parent),
         max_body_bytes=opts.slotkeeper_max_body_mb * 1024 * 1024,
-        api_token=opts.slotkeeper_api_token, idle_save_seconds=opts.slotkeeper_idle_save_seconds)
+        api_token=opts.slotkeeper_api_token, idle_save_seconds=opts.slotkeeper_idle_save_seconds,
+        store=store)
 
 
 def router_config(opts, upstreams: tuple[str, ...]) -> RouterConfig:

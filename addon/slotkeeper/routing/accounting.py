@@ -57,6 +57,9 @@ class Accounting:
         self.upstreams = upstreams
         self.saves = saves
         self.snapshots = snapshots
+        # Where a kept request's usage record is written without the answer waiting for it
+        # (the addon's release pool); None: written by `settle`, on the request's worker.
+        self.background: Callable[[Callable[[], None]], None] | None = None
 
     def settle(self, route: Route, timings: Timings | None) -> str:
         """Verify which slot ran the request and record its use. Returns the verification
@@ -68,8 +71,10 @@ class Accounting:
 
     def settle_quick(self, route: Route, timings: Timings | None) -> str | None:
         """`settle` for the common case, without a thread hop: a kept request that reused its
-        slot's prefix (verified by reuse), with no state write due and no save due. Only
-        memory and a stat of the state file. None: the rest needs the worker (`settle`)."""
+        slot's prefix (verified by reuse), with no save due. Only memory and a stat of the
+        state file; a usage record due is written in the background (nothing decides on it
+        before it lands: the claim's owner and slot do not change, and the handover reads
+        live token counts from /slots). None: the rest needs the worker (`settle`)."""
         if route.action != KEPT or route.slot is None or timings is None:
             return None
         info = self.upstreams.peek(route.upstream)
@@ -80,12 +85,16 @@ class Accounting:
                                    cache_n=timings.cache_n):
             return None
         now = self.clock()
-        if now - info.usage_written.get(route.session, 0.0) >= self.config.usage_write_interval:
+        due = now - info.usage_written.get(route.session, 0.0) >= self.config.usage_write_interval
+        if due and self.background is None:
             return None
         tokens = tokens_after(timings)
         if self._grew_enough(route, tokens):
             return None
         info.last_seen[route.session] = Seen(now, tokens, route.messages)
+        if due and self.background is not None:
+            info.usage_written[route.session] = now
+            self.background(lambda: self._write_usage(route, tokens, now))
         return policy.BY_REUSE
 
     def _verify(self, route: Route, timings: Timings | None) -> str:
@@ -146,6 +155,10 @@ class Accounting:
         if route.action == KEPT and now - last < self.config.usage_write_interval:
             return  # coalesced: the handover decisions read live token counts from /slots
         info.usage_written[route.session] = now
+        self._write_usage(route, tokens, now)
+
+    def _write_usage(self, route: Route, tokens: int | None, now: float) -> None:
+        """The slot's record as the request left it, if the session still owns the slot."""
         conversation = route.conversation
 
         def change(doc: StateDoc) -> None:

@@ -136,10 +136,13 @@ class Router:
         ident = self.sessions.resolve(url, ident)
         session = ident.session_id
         waited = self._wait_for_previous(url, ident)
-        if waited is not None and client_slot is None and not self.pool.pooled:
+        if client_slot is None and not self.pool.pooled:
+            # Kept here too: after the wait, and where the event loop's try could not take
+            # the slot's lease from memory (etcd: this process had no key on the slot yet).
             kept = self._keep(url, ident, started)
             if kept is not None:
-                kept.detail = f"waited {waited * 1000:.1f} ms for its previous request to end"
+                if waited is not None:
+                    kept.detail = f"waited {waited * 1000:.1f} ms for its previous request to end"
                 return kept
         with ExitStack() as reservations, self.pool.placement_lock(session):
             for _attempt in range(PLACEMENT_ATTEMPTS):

@@ -17,6 +17,7 @@ from .state import StateDoc, StateFile, StoreUnavailable
 
 if TYPE_CHECKING:  # the etcd modules need the `etcd` extra: imported only when chosen
     from .etcd_conn import EtcdConnection
+    from .etcd_mirror import EtcdMirror
 
 log = logging.getLogger("slotkeeper.state")
 
@@ -46,6 +47,8 @@ class Store:
     state: State
     locks: Locks
     etcd: EtcdConnection | None = None  # None: the file backend
+    mirror: EtcdMirror | None = None
+    settings: tuple = ()  # what it was opened with: the same options reuse it
     # The disk and write budgets' accounting: this process's own, or the cluster's in etcd.
     ledger: Ledger = field(default_factory=LocalLedger)
 
@@ -54,6 +57,8 @@ class Store:
         return describe(store_of(self.state))
 
     def close(self) -> None:
+        if self.mirror is not None:
+            self.mirror.close()
         if self.etcd is not None:
             self.etcd.close()
 
@@ -104,24 +109,33 @@ def check_prefix(prefix: str) -> str:
 
 
 def open_store(state_path: Path, etcd: str = "", prefix: str = DEFAULT_PREFIX,
-               lease_ttl: int = DEFAULT_LEASE_TTL) -> Store:
+               lease_ttl: int = DEFAULT_LEASE_TTL, previous: Store | None = None) -> Store:
     """The file backend when `etcd` is empty, else etcd at those comma-separated endpoints.
     ValueError on a bad endpoint or prefix; OSError from the files. etcd being unreachable
-    is no error: the proxy starts, says so, and pins once it answers."""
+    is no error: the proxy starts, says so, and pins once it answers. `previous`: the store
+    in use (an option changed): reused as it is when opened with the same etcd options (its
+    connection, lease, watch and the locks held on them), else the caller closes it."""
     if not etcd.strip():
         return Store(StateFile(state_path), SlotLocks(state_path.parent / "locks"))
     endpoints = parse_endpoints(etcd)
     prefix = check_prefix(prefix)
+    settings = (endpoints, prefix, lease_ttl)
+    if previous is not None and previous.etcd is not None and previous.settings == settings:
+        return previous
     try:
         from .etcd_budgets import EtcdLedger
         from .etcd_conn import EtcdConnection
         from .etcd_locks import EtcdLocks
+        from .etcd_mirror import EtcdMirror
         from .etcd_state import EtcdState
     except ImportError as e:
         raise ValueError(f"{e}: install slotkeeper[etcd] (etcd3gw) to use etcd") from None
     conn = EtcdConnection(endpoints, lease_ttl)
-    store = Store(EtcdState(conn, prefix), EtcdLocks(conn, prefix), conn,
-                  EtcdLedger(conn, prefix))
+    mirror = EtcdMirror(conn, prefix)
+    state = EtcdState(conn, mirror, prefix)
+    store = Store(state, EtcdLocks(conn, mirror, prefix, need=state.need), conn, mirror,
+                  settings, EtcdLedger(conn, prefix))
+    mirror.start()
     try:
         conn.call(conn.probe, probe=True)
         log.info("state in etcd %s under %s (lease TTL %d s)", ",".join(endpoints), prefix,

@@ -3,15 +3,17 @@ quick "down" verdict so a dead cluster costs a request no wait, and the process'
 every lock it holds is attached to, kept alive by a thread of its own.
 
 Through etcd's JSON gateway with etcd3gw (synchronous, requests-based): every store call is
-already made from a worker thread (or, for a kept slot's shared lease, as one quick call on
-the event loop), so a blocking client fits, and it adds no gRPC or protobuf beside
+made from a worker thread or the connection's own threads (on the event loop a kept request
+answers from the watch-fed copy, etcd_mirror.py, and makes none), so a blocking client fits, and it adds no gRPC or protobuf beside
 mitmproxy's own pins (docs/DESIGN.md, "Beyond one machine")."""
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import base64
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +45,16 @@ def unb64(text: str) -> bytes:
     return base64.b64decode(text)
 
 
+def on_event_loop() -> bool:
+    """Called from the event loop's thread (the kept request's fast path): the store then
+    answers from memory or says no, never makes a round trip (a worker retries with one)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def range_end(prefix: str) -> str:
     """The end of the key range that starts with `prefix` (etcd's "prefix" convention)."""
     raw = bytearray(prefix.encode())
@@ -64,6 +76,13 @@ class EtcdConnection:
         self._lease_id: int | None = None
         self._lease_mutex = threading.Lock()
         self._pending_deletes: list[Callable[[], Any]] = []  # releases etcd did not get
+        self.request_timeout = REQUEST_TIMEOUT
+        # Releases, made by a thread of their own: a lease ends on the event loop (a kept
+        # request's end) and must not wait there for etcd.
+        self._later: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
+        self._releaser = threading.Thread(target=self._release_loop,
+                                          name="slotkeeper-etcd-release", daemon=True)
+        self._releaser.start()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keep_alive, name="slotkeeper-etcd",
                                         daemon=True)
@@ -76,11 +95,42 @@ class EtcdConnection:
     def reachable(self) -> bool:
         return self.down_since is None
 
+    @property
+    def closed(self) -> bool:
+        return self._stop.is_set()
+
+    @property
+    def good(self) -> int:
+        """The index of the endpoint that answered last (where the watch connects)."""
+        return self._good
+
+    def later(self, release: Callable[[], Any]) -> None:
+        """Run `release` on the release thread; one etcd does not get is retried by the
+        keep-alive thread (`defer`)."""
+        self._later.put(release)
+
+    def _release_loop(self) -> None:
+        while True:
+            release = self._later.get()
+            if release is None:
+                return
+            try:
+                release()
+            except StoreUnavailable:
+                self.defer(release)
+            except Exception:  # the thread must outlive any one failure
+                log.exception("etcd release failed")
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until the releases queued so far were made (tests; shutdown)."""
+        done = threading.Event()
+        self._later.put(done.set)
+        return done.wait(timeout)
+
     def call(self, fn: Callable[[etcd3gw.client.Etcd3Client], T], probe: bool = False) -> T:
         """`fn` against the last good endpoint, then the others. While the cluster is known
         down, StoreUnavailable at once: only the keep-alive thread (`probe`) tries it, so no
-        request (and never the event loop, where a kept slot's lease is taken) waits on a
-        dead cluster or a member without quorum."""
+        request waits on a dead cluster or a member without quorum."""
         if self.down_since is not None and not probe:
             raise StoreUnavailable(f"etcd {','.join(self.endpoints)} unreachable")
         errors = []
@@ -178,7 +228,12 @@ class EtcdConnection:
     def close(self) -> None:
         """Stop the keep-alive and revoke the lease: this process's locks go at once (on a
         SIGKILL they go when the TTL runs out)."""
+        if self._stop.is_set():
+            return
+        atexit.unregister(self.close)
         self._stop.set()
+        self.flush(REQUEST_TIMEOUT)
+        self._later.put(None)
         with self._lease_mutex:
             lease_id, self._lease_id = self._lease_id, None
         if lease_id is not None:

@@ -46,7 +46,11 @@ def test_keys_stay_under_the_prefix_and_never_name_a_session(tmp_path, etcd_clus
         assert not any("passwd" in k or ".." in k for k in keys), keys
         for lease in held:
             lease.release()
-        assert [meta["key"] for _, meta in client.get_all()] == [b"/keys-test/state"]
+        assert store.etcd.flush()  # releases are made by the release thread
+        left = sorted(meta["key"].decode() for _, meta in client.get_all())
+        # The shared key lingers (the next kept request takes it from memory): it alone
+        assert len(left) == 2 and left[1] == "/keys-test/state", left
+        assert left[0].startswith("/keys-test/slots/") and "/1/sh/" in left[0], left
     finally:
         store.close()
 
@@ -167,3 +171,26 @@ def test_status_and_metrics_say_which_store_and_whether_it_answers(tmp_path):
         store.close()
     file_store = open_store(tmp_path / "s.json")
     assert "Store: state file" in render(Report("proxy", "x", store=store_of(file_store.state)))
+
+
+def test_reconfiguring_keeps_the_etcd_store_or_closes_it(tmp_path, etcd_cluster):
+    """Any slotkeeper_ option change rebuilds the router: the same etcd options keep the
+    connection (its lease, its watch, the leases of requests in flight); others close it."""
+    from mitmproxy.test import taddons
+
+    from slotkeeper.addon import SlotKeeper
+
+    keeper = SlotKeeper()
+    with taddons.context(keeper) as tctx:
+        tctx.configure(keeper, slotkeeper_state_file=str(tmp_path / "state.json"),
+                       slotkeeper_etcd=etcd_cluster.endpoints, slotkeeper_etcd_prefix="/re/")
+        first = keeper.store
+        assert first is not None and first.etcd is not None
+        tctx.configure(keeper, slotkeeper_ttl=77)
+        assert keeper.store is first and keeper.router.state is first.state
+        tctx.configure(keeper, slotkeeper_etcd_prefix="/re-other/")
+        assert keeper.store is not first and keeper.router.state.key == "/re-other/state"
+        assert first.etcd.closed and not first.mirror.synced  # closed, not leaked
+        keeper.store.close()
+        keeper.pool.shutdown()
+        keeper.release_pool.shutdown()

@@ -4,6 +4,7 @@ import json
 import multiprocessing
 import os
 import stat
+import time
 
 from store_backends import backend  # noqa: F401 - the fixture
 
@@ -40,6 +41,11 @@ def test_read_is_cached_until_the_file_changes(backend):
     assert state.read() is first  # no change: no re-parse
     assert state.last_read() is first
     claim(backend.open().state, "u", 1, "t", now=2.0)
+    # The file is read again at once; etcd's copy follows through its watch (a millisecond or
+    # so: the locks, not the read, order one process's decisions after another's).
+    deadline = time.monotonic() + 2.0
+    while state.read().upstreams["u"].slot_of("t") != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert state.read().upstreams["u"].slot_of("t") == 1
 
 
