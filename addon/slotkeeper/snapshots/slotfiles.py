@@ -74,6 +74,13 @@ class SessionMeta:
     # A file whose KV bytes changed but whose size did not restores without complaint and
     # answers from the damaged KV; the checksum refuses it.
     crc32: str = ""
+    # zlib.crc32 of the file's first and last EDGE_BYTES (issue #31: the whole-file crc32 read
+    # every snapshot in full before each restore, as long as the restore itself on a slow disk;
+    # a replaced file differs in its header's tokens, a truncated or grown one in size)
+    edge_crc32: str = ""
+    # st_mtime_ns of the file once committed: a file written since (by anything) differs, so a
+    # change in its middle that keeps size and edges is refused without reading it (0: unknown)
+    mtime_ns: int = 0
 
     def to_json(self) -> str:
         # ASCII escapes: an id with a lone surrogate still round-trips.
@@ -159,6 +166,44 @@ def file_crc32(path: Path, chunk: int = 1 << 20) -> str:
     except OSError:
         return ""
     return f"{crc:08x}"
+
+
+EDGE_BYTES = 64 * 1024
+
+
+def edge_crc32(path: Path, edge: int = EDGE_BYTES) -> str:
+    """zlib.crc32 of the file's first and last `edge` bytes (all of a file up to 2 x edge), and
+    its size, as 8 hex digits ("" if it cannot be read): 128 KiB read whatever the size."""
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            crc = zlib.crc32(f.read(edge))
+            if size > edge:
+                f.seek(max(edge, size - edge))
+                crc = zlib.crc32(f.read(edge), crc)
+    except OSError:
+        return ""
+    return f"{zlib.crc32(str(size).encode(), crc):08x}"
+
+
+def _same_file(path: Path, meta: SessionMeta, ok: bool, why: str) -> tuple[bool, str]:
+    """The cheap identity check of a snapshot saved with its edges' crc32 (issue #31): written
+    since its save (mtime) -> refused, unless a whole-file crc32 was recorded and still
+    matches; else its first and last 64 KiB (the header's tokens, the last layer's KV) and
+    size must be the ones saved. What it misses (bytes flipped in place with the mtime kept:
+    a failing disk) llama-server would restore without complaint (DESIGN)."""
+    try:
+        mtime = path.stat().st_mtime_ns
+    except OSError:
+        return False, "state file missing"
+    if meta.mtime_ns and mtime != meta.mtime_ns:
+        if meta.crc32 and file_crc32(path) == meta.crc32:
+            return ok, why
+        return False, "file changed since its save (written to after it)"
+    actual = edge_crc32(path)
+    if actual != meta.edge_crc32:
+        return False, f"file changed since its save (edge crc32 {actual}, saved {meta.edge_crc32})"
+    return ok, why
 
 
 def read_state_header(path: Path) -> StateHeader | None:
@@ -314,7 +359,10 @@ class SlotFolder:
     # ---- checks ------------------------------------------------------------------------------
 
     def check(self, session_id: str, *, fingerprint: str, n_ctx: int,
-              message_count: int) -> tuple[bool, str]:
+              message_count: int, content: bool = True) -> tuple[bool, str]:
+        """May the snapshot be restored? Its meta, header and size always; with `content`,
+        its edges' crc32 too (a snapshot saved by an older proxy: its whole-file crc32).
+        Nothing here reads a whole new snapshot (issue #31)."""
         meta = self.read_meta(session_id)
         path = self.state_path(session_id)
         try:
@@ -325,7 +373,11 @@ class SlotFolder:
             size = 0
         ok, why = restorable(meta, read_state_header(path), size, fingerprint=fingerprint,
                              n_ctx=n_ctx, message_count=message_count)
-        if ok and meta is not None and meta.crc32:
+        if not ok or meta is None or not content:
+            return ok, why
+        if meta.edge_crc32:
+            return _same_file(path, meta, ok, why)
+        if meta.crc32:
             actual = file_crc32(path)
             if actual != meta.crc32:
                 return False, f"file changed since its save (crc32 {actual}, saved {meta.crc32})"
@@ -354,6 +406,9 @@ class SlotFolder:
 
     def crc32_of(self, name: str) -> str:
         return file_crc32(self._inside(name))
+
+    def edge_crc32_of(self, name: str) -> str:
+        return edge_crc32(self._inside(name))
 
     def verify_saved(self, session_id: str, *, n_written: int, n_saved: int,
                      name: str | None = None) -> tuple[bool, str]:

@@ -44,9 +44,10 @@ class Snapshots:
         self.lock_timeout = lock_timeout
         self.writes = WriteWindow()  # bytes saved within the hour: the write budget's count
 
-    def check(self, props: ServerProps, snapshot: str, message_count: int) -> tuple[bool, str]:
+    def check(self, props: ServerProps, snapshot: str, message_count: int,
+              content: bool = True) -> tuple[bool, str]:
         return self.folder.check(snapshot, fingerprint=props.fingerprint, n_ctx=props.n_ctx,
-                                 message_count=message_count)
+                                 message_count=message_count, content=content)
 
     # ---- save ------------------------------------------------------------------------------------
 
@@ -106,17 +107,18 @@ class Snapshots:
             metrics.slot_op("save", ok=False)
             folder.discard_saving(saving)
             return 0
-        crc = folder.crc32_of(saving)
+        edge = folder.edge_crc32_of(saving)  # 128 KiB, not the whole file (issue #31)
         folder.commit_saved(owner, saving)
         now = self.clock()
-        size = folder.state_path(owner).stat().st_size
-        _count_save(client, self.writes, size, n_saved, save_ms)
         folder.secure(owner)
+        stat = folder.state_path(owner).stat()  # after the chmod: its mtime is the file's own
+        size = stat.st_size
+        _count_save(client, self.writes, size, n_saved, save_ms)
         folder.write_meta(SessionMeta(
             session_id=owner, kind=kind, file_name=file_name_for(owner),
             fingerprint=props.fingerprint, n_ctx=props.n_ctx, n_tokens=n_saved,
             n_messages=messages, created=old.created if old else now, last_used=now,
-            size_bytes=size, misses=0, crc32=crc,
+            size_bytes=size, misses=0, edge_crc32=edge, mtime_ns=stat.st_mtime_ns,
         ))
         try:
             folder.make_room(0, keep={owner})  # the estimate may have been low
