@@ -69,7 +69,8 @@ class Handover:
             if saved:
                 notes.append(f"saved {previous.owner}")
         in_slot = previous.owner if previous is not None and not previous.stale else None
-        action, restored = self._restore(url, info, ident, slot, in_slot, notes)
+        action, restored = self._restore(url, info, ident, slot, in_slot, notes,
+                                         self._resident(ident, previous))
         if swaps and not restored and not self.erase_on_handover and previous is not None:
             # the slot keeps the outgoing session: the request's swap parks it in RAM
             self._park(info, previous, live_tokens)
@@ -147,8 +148,19 @@ class Handover:
                              f"{entry.tokens:,} tokens expected back from it"),
                      ram_tokens=entry.tokens)
 
+    def _resident(self, ident: Identity, previous: SlotRecord | None) -> int:
+        """Tokens the slot already holds of the request, that the server keeps without any
+        restore: the system prompt, when the slot's session has the same one and its seed
+        says how many tokens that is (0 when not known, or the slot is erased)."""
+        if (self.erase_on_handover or previous is None or previous.stale
+                or not ident.seed_key or previous.system_key != ident.seed_key
+                or self.snapshots is None):
+            return 0
+        seed = self.snapshots.folder.read_meta(seed_id(ident.seed_key))
+        return seed.n_tokens if seed is not None else 0
+
     def _restore(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
-                 in_slot: str | None, notes: list[str]) -> tuple[str, int]:
+                 in_slot: str | None, notes: list[str], resident: int = 0) -> tuple[str, int]:
         """The session's own snapshot; else, for a content fork, its parent's snapshot (it
         shares the opening: more than a seed); else its system prompt's seed; else, for a
         header session, its parent's prefix (`_from_parent`). (action, tokens)."""
@@ -156,7 +168,7 @@ class Handover:
         if snapshots is None or props is None:
             return ASSIGNED, 0
         restored = snapshots.restore(info.client, props, slot, ident.session_id,
-                                     ident.message_count, notes)
+                                     ident.message_count, notes, resident_tokens=resident)
         if restored:
             return RESTORED, restored
         fork = ident.rule == "content"
@@ -165,7 +177,8 @@ class Handover:
             return PREFIXED, restored
         if ident.seed_key is not None:
             restored = snapshots.restore(info.client, props, slot, seed_id(ident.seed_key),
-                                         ident.message_count, notes, what="seed")
+                                         ident.message_count, notes, what="seed",
+                                         resident_tokens=resident)
             if restored:
                 return SEEDED, restored
         return (ASSIGNED, 0) if fork else self._from_parent(url, info, ident, slot, in_slot,

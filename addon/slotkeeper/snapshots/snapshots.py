@@ -132,12 +132,13 @@ class Snapshots:
 
     def restore(self, client: Upstream, props: ServerProps, slot: int, snapshot: str,
                 message_count: int, notes: list[str], what: str = "",
-                useful_tokens: int = 0) -> int:
+                useful_tokens: int = 0, resident_tokens: int = 0) -> int:
         """Check and restore a snapshot into the slot under its lock (a save of it cannot swap
         the file between the check and the restore); tokens restored, 0 when it was not
         usable, not worth it (`useful_tokens`: what the request will reuse of it, when not all
-        of it: another session's prefix) or failed. A failed restore may leave the slot
-        half-written, so it is erased."""
+        of it: another session's prefix; `resident_tokens`: what the slot already holds of the
+        request, kept by the server without a restore) or failed. A failed restore may leave
+        the slot half-written, so it is erased."""
         lock = self.locks.snapshot(snapshot, self.lock_timeout)
         if lock is None:
             notes.append(f"{what or 'snapshot'} busy: not restored")
@@ -149,7 +150,8 @@ class Snapshots:
                     notes.append(f"{what or 'snapshot'} not used: {reason}")
                     metrics.restore_refused(reason)
                 return 0
-            if not self._restore_pays(client, snapshot, what, notes, useful_tokens):
+            if not self._restore_pays(client, snapshot, what, notes, useful_tokens,
+                                      resident_tokens):
                 return 0
             t0 = time.monotonic()
             try:
@@ -173,18 +175,23 @@ class Snapshots:
             return restored
 
     def _restore_pays(self, client: Upstream, snapshot: str, what: str, notes: list[str],
-                      useful_tokens: int) -> bool:
-        """pricing.restore_pays with this server's speeds and the snapshot's own size."""
+                      useful_tokens: int, resident_tokens: int = 0) -> bool:
+        """pricing.restore_pays with this server's speeds and the snapshot's own size; the
+        prefill it saves is what it holds beyond what the slot already holds of the request
+        (`resident_tokens`, a shared system prompt: the server keeps that either way)."""
         meta = self.folder.read_meta(snapshot)
         if meta is None:
             return True
-        rates, tokens = client.costs.rates(), useful_tokens or meta.n_tokens
+        rates = client.costs.rates()
+        tokens = max((useful_tokens or meta.n_tokens) - resident_tokens, 0)
         if pricing.restore_pays(rates, meta.size_bytes, tokens):
             return True
         metrics.restore_skipped()
         notes.append(f"{what or 'snapshot'} not restored: reading {meta.size_bytes / 1e6:,.0f} "
                      f"MB takes ~{rates.restore_seconds(meta.size_bytes) or 0:.1f} s, "
-                     f"prefilling its {tokens:,} tokens ~{rates.prefill_seconds(tokens) or 0:.1f} s")
+                     f"prefilling its {tokens:,} tokens"
+                     f"{' the slot lacks' if resident_tokens else ''} "
+                     f"~{rates.prefill_seconds(tokens) or 0:.1f} s")
         return False
 
     def _touch_locked(self, snapshot: str) -> None:
