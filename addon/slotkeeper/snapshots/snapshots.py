@@ -112,8 +112,7 @@ class Snapshots:
         now = self.clock()
         folder.secure(owner)
         stat = folder.state_path(owner).stat()  # after the chmod: its mtime is the file's own
-        size = stat.st_size
-        _count_save(client, self.writes, size, n_saved, save_ms)
+        _count_save(client, self.writes, size := stat.st_size, n_saved, save_ms)
         folder.write_meta(SessionMeta(
             session_id=owner, kind=kind, file_name=file_name_for(owner),
             fingerprint=props.fingerprint, n_ctx=props.n_ctx, n_tokens=n_saved,

@@ -499,7 +499,7 @@ def rewrite_keeping_mtime(path: Path, data: bytes) -> None:
 def test_cheap_check_accepts_the_saved_file_without_reading_it_whole(tmp_path, monkeypatch):
     folder = SlotFolder(tmp_path)
     put_saved(folder, "s")
-    monkeypatch.setattr("slotkeeper.snapshots.slotfiles.file_crc32",
+    monkeypatch.setattr("slotkeeper.snapshots.filecheck.file_crc32",
                         lambda *_: pytest.fail("whole-file crc32 read on the restore path"))
     assert folder.check("s", **ARGS) == (True, "ok")
 
@@ -562,7 +562,7 @@ def test_check_without_content_reads_only_meta_header_and_size(tmp_path):
 
 
 def test_edge_crc_of_small_files_covers_every_byte(tmp_path):
-    from slotkeeper.snapshots.slotfiles import edge_crc32
+    from slotkeeper.snapshots.filecheck import edge_crc32
     path = tmp_path / "f"
     path.write_bytes(b"a" * 1000)
     first = edge_crc32(path)
