@@ -523,12 +523,16 @@ def test_cheap_check_refuses_another_sessions_file_of_the_same_size(tmp_path):
     assert not ok and "edge crc32" in why
 
 
-def test_cheap_check_refuses_a_file_whose_last_bytes_changed(tmp_path):
-    folder = SlotFolder(tmp_path)
+def last_bytes_changed(folder: SlotFolder) -> None:
+    """The saved file's last 10 bytes changed in place, its mtime put back."""
     put_saved(folder, "s")
     path = folder.state_path("s")
-    data = path.read_bytes()
-    rewrite_keeping_mtime(path, data[:-10] + b"X" * 10)
+    rewrite_keeping_mtime(path, path.read_bytes()[:-10] + b"X" * 10)
+
+
+def test_cheap_check_refuses_a_file_whose_last_bytes_changed(tmp_path):
+    folder = SlotFolder(tmp_path)
+    last_bytes_changed(folder)
     assert not folder.check("s", **ARGS)[0]
 
 
@@ -554,10 +558,7 @@ def test_a_touched_file_passes_when_its_whole_crc32_still_matches(tmp_path):
 
 def test_check_without_content_reads_only_meta_header_and_size(tmp_path):
     folder = SlotFolder(tmp_path)
-    put_saved(folder, "s")
-    path = folder.state_path("s")
-    data = path.read_bytes()
-    rewrite_keeping_mtime(path, data[:-10] + b"X" * 10)
+    last_bytes_changed(folder)
     assert folder.check("s", **ARGS, content=False) == (True, "ok")
 
 
