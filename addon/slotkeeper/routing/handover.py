@@ -71,8 +71,11 @@ class Handover:
         in_slot = previous.owner if previous is not None and not previous.stale else None
         action, restored = self._restore(url, info, ident, slot, in_slot, notes,
                                          self._resident(ident, previous))
-        if swaps and not restored and not self.erase_on_handover and previous is not None:
-            # the slot keeps the outgoing session: the request's swap parks it in RAM
+        if (previous is not None and not previous.stale and previous.owner != session
+                and ((swaps and not restored and not self.erase_on_handover)
+                     or info.published(previous.owner))):
+            # the request's swap parks the outgoing session in RAM, or the server copied it
+            # there while it sat idle
             self._park(info, previous, live_tokens)
         if not restored and self.erase_on_handover:
             try:
@@ -291,6 +294,8 @@ class Handover:
         if rec is None or rec.stale or rec.owner == session:
             return ""
         saved = save and self.saves.save_if_worth(url, info, slot, rec, live_tokens)
+        if info.published(rec.owner):  # the server copied it to RAM while it sat idle
+            self._park(info, rec, live_tokens)
         metrics.eviction("side", saved)
         self.saves.mark_stale(url, slot, rec.owner)
         return f"{rec.owner} will be restored" if saved else f"displaced {rec.owner}"

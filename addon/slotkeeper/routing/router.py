@@ -188,6 +188,9 @@ class Router:
         route.ms = (time.monotonic() - started) * 1000
         route.model = route.model or split_key(url)[1]
         self.models.touch(url)
+        info = self.upstreams.peek(url)
+        if info is not None:  # the server copies its idle slots to RAM as this one starts
+            info.launched_at = self.clock()
         self.pool.count(url, +1)
         route.on_release(lambda: self.pool.count(url, -1))
         if route.action not in OWNING:

@@ -35,6 +35,14 @@ class UpstreamInfo:
     answered_at: float = float("-inf")  # time.monotonic() of its last 200 to a routed request
     # what its RAM prompt cache holds of our sessions (issue #31: ramcache.py)
     ram: RamModel = field(default_factory=RamModel)
+    launched_at: float = float("-inf")  # clock time our last request to it was sent
+
+    def published(self, session: str) -> bool:
+        """Was the session's slot idle when a request of ours was last sent to this server?
+        llama-server then copied it into its RAM cache (--cache-idle-slots, on by default
+        with -np N): ramcache.py."""
+        seen = self.last_seen.get(session)
+        return seen is not None and seen.at < self.launched_at
 
     def answered_within(self, seconds: float) -> bool:
         return time.monotonic() - self.answered_at < seconds
