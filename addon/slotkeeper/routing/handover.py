@@ -121,8 +121,11 @@ class Handover:
         return (ident.prefix is None and seed is None
                 and folder.read_meta(ident.session_id) is None)
 
-    @staticmethod
-    def _park(info: UpstreamInfo, previous: SlotRecord, live_tokens: int) -> None:
+    def _park(self, info: UpstreamInfo, previous: SlotRecord, live_tokens: int) -> None:
+        """The outgoing session is in the server's RAM cache now. Only modelled with a slot
+        folder: without one there is no disk save or restore for the model to spare."""
+        if self.snapshots is None:
+            return
         tokens = max(previous.tokens, live_tokens)
         info.ram.park(previous.owner, tokens, info.client.costs.rates().file_bytes(tokens))
 
