@@ -77,6 +77,14 @@ def _declare_save_timing(loader) -> None:
                       "another slot generates only if its predicted stall of the server, its "
                       "bytes at the measured save speed, is at most this long; else it waits "
                       "until no other slot generates. Handover and shutdown saves always run.")
+    loader.add_option("slotkeeper_upstream_cache_ram_mb", int, 8192,
+                      "llama-server's --cache-ram (its RAM prompt cache, 8192 MiB by default) as "
+                      "slotkeeper counts on it: a session handed over to a dissimilar one is "
+                      "left for the server to park there and bring back, instead of a disk "
+                      "save and restore (needs the server's default --slot-prompt-similarity; "
+                      "answers that show a miss send the next ones to the disk). 0: do not "
+                      "count on it (set 0 for servers run with --cache-ram 0 or -sps 0); -1: "
+                      "no limit.")
     loader.add_option("slotkeeper_write_budget_mb_per_hour", int, 8192,
                       "MiB that idle and periodic saves may write into the slot folder within "
                       "an hour (0: no limit); past it they are skipped until the hour's "
@@ -163,6 +171,9 @@ def check(opts) -> tuple[str, ...]:
                  "slotkeeper_write_budget_mb_per_hour"):
         if getattr(opts, name) < 0:
             raise exceptions.OptionsError(f"{name} must be 0 or more")
+    if opts.slotkeeper_upstream_cache_ram_mb < -1:
+        raise exceptions.OptionsError("slotkeeper_upstream_cache_ram_mb must be -1 (no limit), "
+                                      "0 (not counted on) or more")
     for name in ("slotkeeper_slots_timeout_ms", "slotkeeper_save_every_tokens",
                  "slotkeeper_max_body_mb"):
         # slots_timeout_ms=0 made every /slots read time out at once: every request fell
@@ -271,6 +282,7 @@ def router_config(opts, upstreams: tuple[str, ...]) -> RouterConfig:
         erase_on_handover=not opts.slotkeeper_keep_prefix,
         save_every_tokens=opts.slotkeeper_save_every_tokens,
         stall_budget=opts.slotkeeper_stall_budget_ms / 1000,
+        ram_cache_bytes=opts.slotkeeper_upstream_cache_ram_mb * 2**20,
         write_budget=opts.slotkeeper_write_budget_mb_per_hour * 2**20,
         seed_min_chars=opts.slotkeeper_seed_min_chars,
         max_seeds=opts.slotkeeper_max_seeds,

@@ -48,7 +48,8 @@ class SessionAdmin:
             known = getattr(self.router, "upstreams", None)  # none when read from the files
             info = known.peek(url) if known is not None else None
             out[url] = {"slots": slots, "draining": up.draining,
-                        **({"costs": info.client.costs.rates().as_dict()} if info else {}),
+                        **({"costs": info.client.costs.rates().as_dict(),
+                            "ram_cache": info.ram.as_dict()} if info else {}),
                         **({"model": split_key(url)[1]} if split_key(url)[1] else {}),
                         **({"pool": True, "up": self.router.upstreams.get(url).healthy}
                            if url in pool else {})}

@@ -94,6 +94,11 @@ RESTORE_REFUSED = _metric(Counter, "slotkeeper_restore_refused",
                          "Snapshots (or seeds) found but not restored, by why: fingerprint "
                          "(another model, build, slot layout, LoRA or model file), size, "
                          "checksum, truncated, messages, ...", ("reason",))
+RAM_CACHE = _metric(Counter, "slotkeeper_ram_cache",
+                   "Handovers that left the incoming session to llama-server's RAM prompt "
+                   "cache instead of a disk restore, by what the answer's cache_n said: hit "
+                   "(reused) or miss (prefilled again; the next ones restore from disk).",
+                   ("result",))
 EVICTIONS = _metric(Counter, "slotkeeper_evictions",
                     "Sessions displaced from their slot, by what displaced them (another "
                     "session's handover, or a side request) and whether their KV was saved "
@@ -224,6 +229,10 @@ def slot_mismatch() -> None:
 
 def restore_miss(kind: str) -> None:
     RESTORE_MISSES.labels(kind).inc()
+
+
+def ram_cache(hit: bool) -> None:
+    RAM_CACHE.labels("hit" if hit else "miss").inc()
 
 
 def save_skipped(reason: str) -> None:

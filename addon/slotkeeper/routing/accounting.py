@@ -140,6 +140,8 @@ class Accounting:
             return
         if route.action in (RESTORED, SEEDED) and timings is not None:
             self._check_reuse(route, timings)
+        if route.ram_tokens and timings is not None:
+            self._check_ram(route, timings)
         if route.action == KEPT and timings is not None:
             self._check_still_resident(route, timings)
         info = self.upstreams.get(route.upstream)
@@ -194,6 +196,18 @@ class Accounting:
         metrics.restore_miss("seed" if snapshot != route.session else "session")
         log.warning("restore of %s was not reused (cache_n %d of %d): miss %d", snapshot,
                     timings.cache_n, route.restored_tokens, misses)
+
+    def _check_ram(self, route: Route, timings: Timings) -> None:
+        """The handover left the session to llama-server's RAM cache: trust the server. A miss
+        (it prefilled what the model said it held) sends the next predicted hits to the disk
+        (ramcache.RamModel.confirm)."""
+        ram = self.upstreams.get(route.upstream).ram
+        hit = ram.confirm(route.ram_tokens, timings.cache_n)
+        metrics.ram_cache(hit)
+        if not hit:
+            log.warning("%s: expected ~%d tokens back from %s's RAM cache, it reused %d: the "
+                        "next %d handovers it predicts restore from disk", route.session,
+                        route.ram_tokens, route.upstream, timings.cache_n, ram.distrust)
 
     def _check_still_resident(self, route: Route, timings: Timings) -> None:
         if timings.prompt_n == 0:

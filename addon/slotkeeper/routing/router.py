@@ -67,7 +67,7 @@ class Router:
                  if self.snapshots is not None else None)
         kinds = Kinds(config.slots_timeout, config.api_key)
         self.upstreams = Upstreams(state, config.slots_timeout, config.api_key,
-                                   make_client=kinds.client)
+                                   make_client=kinds.client, ram_limit=config.ram_cache_bytes)
         self.sessions = Sessions(state, config.small_request_chars, config.upstreams)
         self.saves = Saves(state, self.snapshots, config.min_save_tokens, config.stall_budget,
                            config.write_budget)
@@ -195,6 +195,9 @@ class Router:
         route.ms = (time.monotonic() - started) * 1000
         route.model = route.model or split_key(url)[1]
         self.models.touch(url)
+        info = self.upstreams.peek(url)
+        if info is not None:  # the server copies its idle slots to RAM as this one starts
+            info.launched_at = self.clock()
         self.pool.count(url, +1)
         route.on_release(lambda: self.pool.count(url, -1))
         if route.action not in OWNING:

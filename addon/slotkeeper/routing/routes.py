@@ -38,6 +38,8 @@ class RouterConfig:
     usage_write_interval: float = 2.0
     save_every_tokens: int = 2048  # a session that keeps its slot is saved after this growth
     stall_budget: float = 0.5  # seconds a save that can wait may stall other slots' streams
+    # the servers' --cache-ram as slotkeeper counts on it (0: not at all; -1: no limit)
+    ram_cache_bytes: float = 8192 * 2**20
     write_budget: float = 8192 * 2**20  # bytes an hour saves that can wait may write (0: any)
     seed_min_chars: int = 2000  # system prompts (plus tools) at least this long get a seed
     max_seeds: int = 8
@@ -67,6 +69,7 @@ class Route:
     placement: str = ""  # pool only: why this server (placement.STAY, CHEAPEST, ...)
     final_seen: bool = False  # the answer's final event went to the client
     prefix_from: str = ""  # restored from this session's snapshot, as its prefix (a fork)
+    ram_tokens: int = 0  # left to llama-server's RAM cache: the tokens expected back from it
     model: str = ""  # behind a router or llama-swap (issue #22): the model it runs on
     swap_saved: str = ""  # the sessions saved before loading that model unloaded another
     _on_release: list[Callable[[], None]] = field(default_factory=list, repr=False)

@@ -114,19 +114,21 @@ class Saves:
         return n_saved
 
     def mark_fresh(self, url: str, slot: int, session: str, restored: int,
-                   kept_on_disk: bool = True) -> None:
+                   kept_on_disk: bool = True, saved_tokens: int | None = None) -> None:
         """The slot holds `restored` tokens for `session` now, and they count as saved when a
         file gives them back to the session (its own snapshot, its seed). A parent's prefix
         does not: the parent's snapshot moves on with the parent, and `restored` is only an
         estimate of the reuse. Counted as saved, it once skipped the session's save after its
         answer (the estimate was above what the first turn came to), and the seed's cut then
-        lost the session's KV."""
+        lost the session's KV. `saved_tokens`: what its snapshot holds, when the slot's tokens
+        came from elsewhere (llama-server's RAM cache)."""
         def change(doc: StateDoc) -> None:
             rec = doc.upstream(url).slots.get(slot)
             if rec is not None and rec.owner == session:
                 rec.stale = False
                 rec.tokens = restored
-                rec.saved_tokens = restored if kept_on_disk else 0
+                rec.saved_tokens = (saved_tokens if saved_tokens is not None
+                                    else restored if kept_on_disk else 0)
 
         self.state.update(change)
 

@@ -78,7 +78,9 @@ class SeedBuilder:
         """No usable seed of this system prompt yet (and seeds are on)."""
         if seed_key is None or self.max_seeds <= 0:
             return False
-        ok, _why = self.snapshots.check(props, seed_id(seed_key), 0)
+        # meta, header and size only: the restore checks the content (issue #31: this ran on
+        # every request with a seed key and read the whole seed file)
+        ok, _why = self.snapshots.check(props, seed_id(seed_key), 0, content=False)
         return not ok
 
     def take_afterwards(self, client: Upstream, props: ServerProps, slot: int, seed_key: str,

@@ -48,9 +48,10 @@ class Snapshots:
         # saves in flight (the disk budget), this process's or the cluster's (store.budgets).
         self.writes: Ledger = ledger if ledger is not None else LocalLedger()
 
-    def check(self, props: ServerProps, snapshot: str, message_count: int) -> tuple[bool, str]:
+    def check(self, props: ServerProps, snapshot: str, message_count: int,
+              content: bool = True) -> tuple[bool, str]:
         return self.folder.check(snapshot, fingerprint=props.fingerprint, n_ctx=props.n_ctx,
-                                 message_count=message_count)
+                                 message_count=message_count, content=content)
 
     # ---- save ------------------------------------------------------------------------------------
 
@@ -128,17 +129,17 @@ class Snapshots:
             metrics.slot_op("save", ok=False)
             folder.discard_saving(saving)
             return 0
-        crc = folder.crc32_of(saving)
+        edge = folder.edge_crc32_of(saving)  # 128 KiB, not the whole file (issue #31)
         folder.commit_saved(owner, saving)
         now = self.clock()
-        size = folder.state_path(owner).stat().st_size
-        _count_save(client, self.writes, size, n_saved, save_ms)
         folder.secure(owner)
+        stat = folder.state_path(owner).stat()  # after the chmod: its mtime is the file's own
+        _count_save(client, self.writes, size := stat.st_size, n_saved, save_ms)
         folder.write_meta(SessionMeta(
             session_id=owner, kind=kind, file_name=file_name_for(owner),
             fingerprint=props.fingerprint, n_ctx=props.n_ctx, n_tokens=n_saved,
             n_messages=messages, created=old.created if old else now, last_used=now,
-            size_bytes=size, misses=0, crc32=crc,
+            size_bytes=size, misses=0, edge_crc32=edge, mtime_ns=stat.st_mtime_ns,
         ))
         try:
             # the estimate may have been low
@@ -153,12 +154,13 @@ class Snapshots:
 
     def restore(self, client: Upstream, props: ServerProps, slot: int, snapshot: str,
                 message_count: int, notes: list[str], what: str = "",
-                useful_tokens: int = 0) -> int:
+                useful_tokens: int = 0, resident_tokens: int = 0) -> int:
         """Check and restore a snapshot into the slot under its lock (a save of it cannot swap
         the file between the check and the restore); tokens restored, 0 when it was not
         usable, not worth it (`useful_tokens`: what the request will reuse of it, when not all
-        of it: another session's prefix) or failed. A failed restore may leave the slot
-        half-written, so it is erased."""
+        of it: another session's prefix; `resident_tokens`: what the slot already holds of the
+        request, kept by the server without a restore) or failed. A failed restore may leave
+        the slot half-written, so it is erased."""
         lock = self.locks.snapshot(snapshot, self.lock_timeout)
         if lock is None:
             notes.append(f"{what or 'snapshot'} busy: not restored")
@@ -170,7 +172,8 @@ class Snapshots:
                     notes.append(f"{what or 'snapshot'} not used: {reason}")
                     metrics.restore_refused(reason)
                 return 0
-            if not self._restore_pays(client, snapshot, what, notes, useful_tokens):
+            if not self._restore_pays(client, snapshot, what, notes, useful_tokens,
+                                      resident_tokens):
                 return 0
             t0 = time.monotonic()
             try:
@@ -194,18 +197,23 @@ class Snapshots:
             return restored
 
     def _restore_pays(self, client: Upstream, snapshot: str, what: str, notes: list[str],
-                      useful_tokens: int) -> bool:
-        """pricing.restore_pays with this server's speeds and the snapshot's own size."""
+                      useful_tokens: int, resident_tokens: int = 0) -> bool:
+        """pricing.restore_pays with this server's speeds and the snapshot's own size; the
+        prefill it saves is what it holds beyond what the slot already holds of the request
+        (`resident_tokens`, a shared system prompt: the server keeps that either way)."""
         meta = self.folder.read_meta(snapshot)
         if meta is None:
             return True
-        rates, tokens = client.costs.rates(), useful_tokens or meta.n_tokens
+        rates = client.costs.rates()
+        tokens = max((useful_tokens or meta.n_tokens) - resident_tokens, 0)
         if pricing.restore_pays(rates, meta.size_bytes, tokens):
             return True
         metrics.restore_skipped()
         notes.append(f"{what or 'snapshot'} not restored: reading {meta.size_bytes / 1e6:,.0f} "
                      f"MB takes ~{rates.restore_seconds(meta.size_bytes) or 0:.1f} s, "
-                     f"prefilling its {tokens:,} tokens ~{rates.prefill_seconds(tokens) or 0:.1f} s")
+                     f"prefilling its {tokens:,} tokens"
+                     f"{' the slot lacks' if resident_tokens else ''} "
+                     f"~{rates.prefill_seconds(tokens) or 0:.1f} s")
         return False
 
     def _touch_locked(self, snapshot: str) -> None:

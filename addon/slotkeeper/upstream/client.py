@@ -18,6 +18,7 @@ from ..decisions import fingerprints
 from ..decisions.choice import SlotView
 from .costs import Costs
 from .model_digest import content_digest
+from .slotcalls import SlotCalls
 
 log = logging.getLogger("slotkeeper")
 
@@ -135,6 +136,7 @@ class Upstream:
         self.slot_actions_disabled = False
         # What this server costs, measured from its answers and slot calls (issue #31).
         self.costs = Costs()
+        self.calls = SlotCalls()  # slot calls in flight; the last /slots view
 
     @property
     def _http(self) -> requests.Session:
@@ -225,6 +227,9 @@ class Upstream:
         try:
             data = self._get("/slots")
         except UpstreamError as e:
+            stand_in = self.calls.stand_in()
+            if stand_in is not None:  # busy with our own save or restore, not dead
+                return stand_in
             raise SlotsUnavailable(str(e)) from None
         if not isinstance(data, list):
             raise SlotsUnavailable("GET /slots: not a list")
@@ -240,6 +245,7 @@ class Upstream:
                     n_ctx=_int(item.get("n_ctx", 0)),
                 )
             )
+        self.calls.last = views
         return views
 
     def post_json(self, path: str, body: dict[str, Any],
@@ -247,8 +253,9 @@ class Upstream:
         """POST to one of the server's own endpoints (templates, a prefill), waiting as long
         as an admin call may (or `timeout`: a slot call's bound)."""
         try:
-            r = self._send("POST", path, json=body,
-                           timeout=self.admin_timeout if timeout is None else timeout)
+            with self.calls.running(path.startswith("/slots/")):
+                r = self._send("POST", path, json=body,
+                               timeout=self.admin_timeout if timeout is None else timeout)
         except requests.Timeout:
             if timeout is None:
                 raise UpstreamError(f"POST {path}: Timeout") from None

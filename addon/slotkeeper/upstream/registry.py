@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..decisions import fingerprints, policy
+from ..decisions.ramcache import DEFAULT_LIMIT_BYTES, RamModel
 from ..store.memories import MAX_REMEMBERED_SESSIONS, Recent, Seen
 from ..store.state import StateDoc, StateFile
 from .client import ServerProps, SlotsUnavailable, Upstream, UpstreamError
@@ -32,6 +33,16 @@ class UpstreamInfo:
     cleared_warned: bool = False
     healthy: bool = True  # pool member answering /health (the watcher probes it back in)
     answered_at: float = float("-inf")  # time.monotonic() of its last 200 to a routed request
+    # what its RAM prompt cache holds of our sessions (issue #31: ramcache.py)
+    ram: RamModel = field(default_factory=RamModel)
+    launched_at: float = float("-inf")  # clock time our last request to it was sent
+
+    def published(self, session: str) -> bool:
+        """Was the session's slot idle when a request of ours was last sent to this server?
+        llama-server then copied it into its RAM cache (--cache-idle-slots, on by default
+        with -np N): ramcache.py."""
+        seen = self.last_seen.get(session)
+        return seen is not None and seen.at < self.launched_at
 
     def answered_within(self, seconds: float) -> bool:
         return time.monotonic() - self.answered_at < seconds
@@ -48,8 +59,10 @@ class Upstreams:
     verification of a suspect server. Does not touch: slot leases, snapshots, placement."""
 
     def __init__(self, state: StateFile, slots_timeout: float, api_key: str = "",
-                 make_client: Callable[..., Upstream] = Upstream) -> None:
+                 make_client: Callable[..., Upstream] = Upstream,
+                 ram_limit: float = DEFAULT_LIMIT_BYTES) -> None:
         self.state = state
+        self.ram_limit = ram_limit  # the servers' --cache-ram as slotkeeper counts on it
         self.slots_timeout = slots_timeout
         self.api_key = api_key  # llama-server's --api-key, on our own calls (issue #21)
         self.make_client = make_client  # a model's key gets a client bound to it (models.py)
@@ -72,7 +85,8 @@ class Upstreams:
                 # A slot call that hangs marks the server suspect (issue #21, item 7).
                 info = UpstreamInfo(self.make_client(url, timeout=self.slots_timeout,
                                                      api_key=self.api_key,
-                                                     on_hang=lambda: self.mark_suspect(url)))
+                                                     on_hang=lambda: self.mark_suspect(url)),
+                                    ram=RamModel(self.ram_limit))
                 self._infos[url] = info
             return info
 
@@ -144,6 +158,7 @@ class Upstreams:
         cleared: list[int] = []
         if self.state.update(lambda doc: _reconcile(doc, url, props.fingerprint, live, cleared)):
             log.info("%s: slots lost their KV (server restarted?): sessions will be restored", url)
+            info.ram.forget()  # a restarted server's RAM cache is empty too
         if cleared and not info.cleared_warned:
             info.cleared_warned = True
             log.warning("%s: slot(s) %s lost their session's KV while the same server kept "

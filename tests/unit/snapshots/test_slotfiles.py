@@ -471,3 +471,102 @@ def test_server_accepts_our_names_for_hostile_ids_and_restores_them(llama: Llama
         assert restored.status_code == 200, (session_id, restored.text)
         assert restored.json()["n_restored"] == answer["n_saved"]
         folder.delete(session_id)
+
+
+# ---- the cheap identity check (issue #31) ------------------------------------------------------
+
+def put_saved(folder: SlotFolder, session_id: str, n_tokens: int = 100,
+              kv_bytes: int = 300_000) -> SessionMeta:
+    """A snapshot as a save records it now: its edges' crc32 and mtime, no whole-file crc32."""
+    meta = put_snapshot(folder, session_id, n_tokens=n_tokens, kv_bytes=kv_bytes)
+    name = folder.state_path(session_id).name
+    meta = dataclasses.replace(meta, edge_crc32=folder.edge_crc32_of(name),
+                               mtime_ns=folder.state_path(session_id).stat().st_mtime_ns)
+    folder.write_meta(meta)
+    return meta
+
+
+ARGS = {"fingerprint": "fp", "n_ctx": 4096, "message_count": 3}
+
+
+def rewrite_keeping_mtime(path: Path, data: bytes) -> None:
+    """Bytes changed in place with the mtime put back (what the cheap check cannot see)."""
+    st_ = path.stat()
+    path.write_bytes(data)
+    os.utime(path, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+
+
+def test_cheap_check_accepts_the_saved_file_without_reading_it_whole(tmp_path, monkeypatch):
+    folder = SlotFolder(tmp_path)
+    put_saved(folder, "s")
+    monkeypatch.setattr("slotkeeper.snapshots.filecheck.file_crc32",
+                        lambda *_: pytest.fail("whole-file crc32 read on the restore path"))
+    assert folder.check("s", **ARGS) == (True, "ok")
+
+
+def test_cheap_check_refuses_a_truncated_file(tmp_path):
+    folder = SlotFolder(tmp_path)
+    put_saved(folder, "s")
+    path = folder.state_path("s")
+    rewrite_keeping_mtime(path, path.read_bytes()[:-4096])
+    ok, why = folder.check("s", **ARGS)
+    assert not ok and "truncated" in why
+
+
+def test_cheap_check_refuses_another_sessions_file_of_the_same_size(tmp_path):
+    folder = SlotFolder(tmp_path)
+    put_saved(folder, "s")
+    other = bytearray(synthetic_state(100, 300_000))
+    struct.pack_into("<i", other, 24, 7777)  # another conversation: its first token differs
+    rewrite_keeping_mtime(folder.state_path("s"), bytes(other))
+    ok, why = folder.check("s", **ARGS)
+    assert not ok and "edge crc32" in why
+
+
+def last_bytes_changed(folder: SlotFolder) -> None:
+    """The saved file's last 10 bytes changed in place, its mtime put back."""
+    put_saved(folder, "s")
+    path = folder.state_path("s")
+    rewrite_keeping_mtime(path, path.read_bytes()[:-10] + b"X" * 10)
+
+
+def test_cheap_check_refuses_a_file_whose_last_bytes_changed(tmp_path):
+    folder = SlotFolder(tmp_path)
+    last_bytes_changed(folder)
+    assert not folder.check("s", **ARGS)[0]
+
+
+def test_cheap_check_refuses_a_file_written_since_its_save(tmp_path):
+    folder = SlotFolder(tmp_path)
+    put_saved(folder, "s")
+    path = folder.state_path("s")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the middle: neither edge
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(1, 1))  # a write moves the mtime (forced: a coarse clock may not)
+    assert folder.check("s", **ARGS) == (False, "file changed since its save (written to after it)")
+
+
+def test_a_touched_file_passes_when_its_whole_crc32_still_matches(tmp_path):
+    folder = SlotFolder(tmp_path)
+    meta = put_saved(folder, "s")
+    name = folder.state_path("s").name
+    folder.write_meta(dataclasses.replace(meta, crc32=folder.crc32_of(name)))
+    os.utime(folder.state_path("s"), ns=(1, 1))  # copied or touched: same bytes
+    assert folder.check("s", **ARGS) == (True, "ok")
+
+
+def test_check_without_content_reads_only_meta_header_and_size(tmp_path):
+    folder = SlotFolder(tmp_path)
+    last_bytes_changed(folder)
+    assert folder.check("s", **ARGS, content=False) == (True, "ok")
+
+
+def test_edge_crc_of_small_files_covers_every_byte(tmp_path):
+    from slotkeeper.snapshots.filecheck import edge_crc32
+    path = tmp_path / "f"
+    path.write_bytes(b"a" * 1000)
+    first = edge_crc32(path)
+    path.write_bytes(b"a" * 500 + b"b" + b"a" * 499)
+    assert first and edge_crc32(path) != first
+    assert edge_crc32(tmp_path / "missing") == ""

@@ -1,0 +1,150 @@
+"""llama-server's own RAM prompt cache, as slotkeeper predicts it (issue #31). Pure.
+
+llama-server (b11434, server-context.cpp get_available_slot) keeps a host-memory cache of
+prompts (`--cache-ram`, 8192 MiB by default). A request pinned with `id_slot` to an idle slot
+that holds something else goes through it when the server's `--slot-prompt-similarity` (sps,
+0.1 by default) is not 0 and the request would keep less than half of the slot's tokens
+(`f_keep < 0.5`): the slot's prompt is parked in the cache (skipped if the cache already holds
+it whole), the cache's best entry for the new prompt is loaded into the slot and leaves the
+cache. An empty slot (f_keep = 0/0) and sps 0 never consult it. Entries leave oldest-inserted
+first when the size limit is passed.
+
+So behind slotkeeper, handing a slot from session A to a dissimilar session B parks A in RAM
+and brings B back from RAM if B was parked before: no file read or written, where a disk
+restore of B (which slotkeeper did before this module) overwrites the slot first, so the server
+sees a similar prompt and never looks in its cache. This module models what the cache holds
+(what slotkeeper's handovers parked, in order, with bytes from the measured bytes a token), says
+when a handover will swap, and keeps a trust that answers' `cache_n` confirm or withdraw."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+DEFAULT_SPS = 0.1  # llama-server's --slot-prompt-similarity default (common.h)
+DEFAULT_LIMIT_BYTES = 8192 * 2**20  # its --cache-ram default, 8192 MiB
+KEEP_THRESHOLD = 0.5  # f_keep below this: the server swaps through its cache
+LOAD_MIN_KEEP = 0.25  # an entry must keep this share of itself to be loaded ("don't trash")
+# A predicted hit counts as one when the answer reused at least this share of the tokens we
+# expected back (a few tokens at the end may be re-evaluated, as after a disk restore).
+HIT_SHARE = 0.5
+# After a miss, this many predicted hits in a row go to the disk instead (each further miss
+# doubles it, up to MAX_DISTRUST): the server may run with --cache-ram 0 or -sps 0, restarted,
+# or evicted the entry for a reason the model does not see. One later hit restores trust.
+FIRST_DISTRUST = 2
+MAX_DISTRUST = 64
+
+
+def server_swaps(slot_tokens: int, shared_tokens: int, new_tokens: int,
+                 sps: float = DEFAULT_SPS) -> bool:
+    """Will a request of `new_tokens`, pinned to an idle slot holding `slot_tokens` of which it
+    shares the first `shared_tokens`, go through the server's RAM cache? As
+    get_available_slot: with sps 0 never; an empty slot never (0/0); the slot's similarity
+    lcp/len(new) counts only above sps, and then f_keep = lcp/len(slot) must be below 0.5."""
+    if sps <= 0 or slot_tokens <= 0 or new_tokens <= 0:
+        return False
+    f_sim = shared_tokens / new_tokens
+    kept = shared_tokens if f_sim > sps else 0
+    return kept / slot_tokens < KEEP_THRESHOLD
+
+
+def shared_estimate(outgoing_system: str | None, incoming_system: str | None,
+                    outgoing_is_parent: bool) -> int | None:
+    """Tokens the slot's session (outgoing) and the incoming request share at the start, as
+    far as slotkeeper knows without tokenizing: 0 when both system blocks are known and differ
+    (their renders part after the chat template's first few tokens, far below sps); None
+    (unknown: could be most of the slot) when they are the same, one is unknown, or the
+    incoming session is the outgoing one's fork. None never predicts a swap."""
+    if outgoing_is_parent or not outgoing_system or not incoming_system:
+        return None
+    return 0 if outgoing_system != incoming_system else None
+
+
+@dataclass(frozen=True)
+class Entry:
+    session: str
+    tokens: int
+    nbytes: float
+
+
+class RamModel:
+    """What one server's RAM prompt cache holds of slotkeeper's sessions, oldest first, and
+    how far its predictions are trusted. Not thread-safe by itself: the caller serializes
+    (a handover holds the slot's lease; the answers' checks run one per route)."""
+
+    def __init__(self, limit_bytes: float = DEFAULT_LIMIT_BYTES, sps: float = DEFAULT_SPS) -> None:
+        self.limit_bytes = limit_bytes
+        self.sps = sps
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self.distrust = 0  # predicted hits still to send to the disk
+        self._next_distrust = FIRST_DISTRUST
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.limit_bytes != 0 and self.sps > 0
+
+    @property
+    def confirmed(self) -> bool:
+        """An answer showed this server's cache at work, and no miss since: only then is a
+        handover save left to it (a server run with --cache-ram 0 would lose that session)."""
+        return self.enabled and self.hits > 0 and self.distrust == 0
+
+    def holds(self, session: str, tokens: int = 0) -> Entry | None:
+        """The session's entry if the model says the cache holds at least `tokens` of it."""
+        entry = self._entries.get(session)
+        return entry if entry is not None and entry.tokens >= tokens else None
+
+    def fits(self, nbytes: float | None) -> bool:
+        """Would the server park an entry of `nbytes` at all (alloc skips over-limit ones)?
+        An unknown size (no slot file measured yet on this server) counts as fitting: the
+        answer's cache_n tells, and 8 GiB holds 64k tokens of an 8B model's KV."""
+        return self.limit_bytes < 0 or nbytes is None or nbytes <= self.limit_bytes
+
+    def park(self, session: str, tokens: int, nbytes: float | None) -> None:
+        """The server parked the slot's prompt (a swap): newest entry; the oldest leave while
+        the total passes the limit. An entry of unknown or over-limit size is not parked."""
+        self._entries.pop(session, None)
+        if tokens <= 0 or not self.fits(nbytes):
+            return
+        self._entries[session] = Entry(session, tokens, float(nbytes or 0.0))
+        if self.limit_bytes > 0:
+            while sum(e.nbytes for e in self._entries.values()) > self.limit_bytes:
+                self._entries.popitem(last=False)
+
+    def take(self, session: str) -> Entry | None:
+        """The server loaded the session's entry into a slot: it leaves the cache."""
+        return self._entries.pop(session, None)
+
+    def forget(self) -> None:
+        """The server may have restarted: its cache is empty."""
+        self._entries.clear()
+
+    def predicts_hit(self, session: str) -> Entry | None:
+        """The entry a swap would load for `session`, unless the model is off or distrusted.
+        Each distrusted call uses up one of the disk fallbacks."""
+        entry = self.holds(session) if self.enabled else None
+        if entry is None:
+            return None
+        if self.distrust > 0:
+            self.distrust -= 1
+            return None
+        return entry
+
+    def confirm(self, expected_tokens: int, cache_n: int) -> bool:
+        """An answer after a predicted RAM hit: True (a hit) when the server reused at least
+        HIT_SHARE of what the entry held. A miss distrusts the next predictions (doubling)."""
+        if cache_n >= expected_tokens * HIT_SHARE:
+            self.hits += 1
+            self.distrust, self._next_distrust = 0, FIRST_DISTRUST
+            return True
+        self.misses += 1
+        self.distrust = self._next_distrust
+        self._next_distrust = min(self._next_distrust * 2, MAX_DISTRUST)
+        return False
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"entries": len(self._entries),
+                "bytes": round(sum(e.nbytes for e in self._entries.values())),
+                "hits": self.hits, "misses": self.misses, "distrust": self.distrust}

@@ -1,0 +1,82 @@
+"""llama-server's own RAM prompt cache behind slotkeeper (issue #31): a session handed over to
+a dissimilar one is parked by the server in RAM and brought back from there, with no disk
+restore; on a server without that cache (--cache-ram 0) the answer shows the miss and the next
+handovers restore from disk. The real llama-server, default --slot-prompt-similarity."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import requests
+from helpers import Conversation
+from testbed import long_system_prompt
+
+OPTIONS = {"slotkeeper_small_request_chars": 0, "slotkeeper_min_save_tokens": 0,
+           "slotkeeper_idle_save_seconds": 0, "slotkeeper_max_seeds": 0}
+
+
+@pytest.fixture
+def slot_dir(tmp_path):
+    path = tmp_path / "slots"
+    path.mkdir()
+    return path
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    text = requests.get(url + "/slotkeeper/metrics", timeout=30).text
+    pattern = rf"^{name}(?:{{[^}}]*{re.escape(labels)}[^}}]*}})? (\S+)$"
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
+def line_of(log: str, session: str, nth: int) -> str:
+    """The proxy's routing line of the session's nth request (1-based)."""
+    lines = [line for line in log.splitlines() if f"{session} (header" in line]
+    return lines[nth - 1]
+
+
+def two_sessions() -> tuple[Conversation, Conversation]:
+    # different system prompts: a pinned handover between them keeps < half of the slot
+    return (Conversation("ram-a", long_system_prompt(700, seed=331)),
+            Conversation("ram-b", long_system_prompt(700, seed=332)))
+
+
+def test_a_returning_session_comes_back_from_the_servers_ram_cache(make_llama, make_proxy,
+                                                                    slot_dir):
+    server = make_llama(np=1, ctx=8192, slot_save_path=slot_dir)  # --cache-ram: its default
+    proxy = make_proxy(server, slotkeeper_slot_dir=str(slot_dir), **OPTIONS)
+    a, b = two_sessions()
+    a_first = a.ask(proxy.url, "Name a colour.")
+    b.ask(proxy.url, "Name a city.")  # the server parks a in RAM
+    a_again = a.ask(proxy.url, "And another?")
+    b_again = b.ask(proxy.url, "And another?")
+    log = proxy.log_text()
+    assert a_again.action == "assigned", (a_again, log[-3000:])
+    assert "expected back from it" in line_of(log, "ram-a", 2), log[-3000:]
+    # everything a had (its prompt and reply) came back from RAM: only the new turn prefilled
+    assert a_again.cache_n >= a_first.prompt_tokens, (a_first, a_again)
+    assert b_again.action == "assigned" and b_again.cache_n >= 0.9 * b.turns[0].prompt_tokens
+    # the cache confirmed by a's answer: b's return saved nothing of a on the way
+    assert "saved ram-a" not in line_of(log, "ram-b", 2), log[-3000:]
+    assert metric(proxy.url, "slotkeeper_ram_cache_total", 'result="hit"') == 2
+    assert metric(proxy.url, "slotkeeper_ram_cache_total", 'result="miss"') == 0
+    assert metric(proxy.url, "slotkeeper_slot_operations_total", 'operation="restore"') == 0
+    assert "restored" not in log
+
+
+def test_without_the_ram_cache_the_miss_sends_the_next_returns_to_the_disk(make_llama,
+                                                                           make_proxy, slot_dir):
+    server = make_llama(np=1, ctx=8192, slot_save_path=slot_dir, extra=["--cache-ram", "0"])
+    proxy = make_proxy(server, slotkeeper_slot_dir=str(slot_dir), **OPTIONS)
+    a, b = two_sessions()
+    a.ask(proxy.url, "Name a colour.")
+    b.ask(proxy.url, "Name a city.")  # a saved (the cache is not confirmed yet)
+    a_again = a.ask(proxy.url, "And another?")  # predicted from RAM: the server prefilled it
+    b_again = b.ask(proxy.url, "And another?")  # after the miss: from the disk
+    log = proxy.log_text()
+    assert a_again.action == "assigned" and a_again.prompt_n >= 0.8 * a_again.prompt_tokens
+    assert metric(proxy.url, "slotkeeper_ram_cache_total", 'result="miss"') == 1
+    assert "reused" in log and "restore from disk" in log, log[-3000:]
+    assert b_again.action == "restored", (b_again, log[-3000:])
+    assert b_again.cache_n >= 0.9 * b.turns[0].prompt_tokens, b_again
+    assert metric(proxy.url, "slotkeeper_ram_cache_total", 'result="hit"') == 0

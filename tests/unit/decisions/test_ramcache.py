@@ -1,0 +1,87 @@
+"""llama-server's RAM prompt cache as slotkeeper predicts it (issue #31): when a pinned
+handover swaps through it, what it holds, and the trust answers give or withdraw."""
+
+from __future__ import annotations
+
+import pytest
+
+from slotkeeper.decisions.ramcache import (
+    FIRST_DISTRUST,
+    MAX_DISTRUST,
+    RamModel,
+    server_swaps,
+    shared_estimate,
+)
+
+
+@pytest.mark.parametrize(("slot", "shared", "new", "sps", "swaps"), [
+    (1000, 0, 1200, 0.1, True),  # another conversation: nothing kept
+    (1000, 5, 1200, 0.1, True),  # a few template tokens: under sps, counted as 0
+    (1000, 636, 1100, 0.1, False),  # one system prompt, 64% of the slot kept
+    (2000, 636, 1100, 0.1, True),  # the slot's tail is most of it: f_keep 0.32
+    (1000, 0, 1200, 0.0, False),  # -sps 0: a pinned request never looks in the cache
+    (0, 0, 1200, 0.1, False),  # an empty slot: f_keep 0/0, no lookup
+])
+def test_server_swaps_as_get_available_slot(slot, shared, new, sps, swaps):
+    assert server_swaps(slot, shared, new, sps) is swaps
+
+
+def test_shared_estimate_is_known_only_when_the_system_blocks_differ():
+    assert shared_estimate("a", "b", outgoing_is_parent=False) == 0
+    assert shared_estimate("a", "a", outgoing_is_parent=False) is None
+    assert shared_estimate(None, "b", outgoing_is_parent=False) is None
+    assert shared_estimate("a", "b", outgoing_is_parent=True) is None
+
+
+def test_park_take_and_oldest_first_eviction():
+    ram = RamModel(limit_bytes=300)
+    ram.park("a", 10, 100)
+    ram.park("b", 10, 100)
+    ram.park("c", 10, 100)
+    assert ram.holds("a") and ram.holds("c")
+    ram.park("d", 10, 100)  # 400 > 300: the oldest leaves
+    assert ram.holds("a") is None and ram.holds("b") and ram.holds("d")
+    assert ram.take("b").tokens == 10 and ram.holds("b") is None
+    ram.park("c", 20, 150)  # parked again: its newer, longer prompt replaces it, newest
+    ram.park("e", 10, 100)
+    assert ram.holds("d") is None and ram.holds("c", 20) and ram.holds("e")
+
+
+def test_an_entry_larger_than_the_cache_is_not_parked_and_unknown_sizes_are():
+    ram = RamModel(limit_bytes=100)
+    ram.park("big", 10, 101)
+    ram.park("unknown", 10, None)
+    assert ram.holds("big") is None and ram.holds("unknown")
+    assert RamModel(limit_bytes=-1).fits(10**15)  # --cache-ram -1: no limit
+
+
+def test_off_when_the_cache_or_sps_is_zero():
+    for ram in (RamModel(limit_bytes=0), RamModel(sps=0.0)):
+        ram.park("a", 10, 1)
+        assert not ram.enabled and ram.predicts_hit("a") is None
+
+
+def test_a_miss_sends_the_next_predictions_to_the_disk_doubling_and_a_hit_restores_trust():
+    ram = RamModel()
+    ram.park("a", 100, 1)
+    assert ram.predicts_hit("a") is not None and not ram.confirmed
+    assert ram.confirm(100, 80)  # most of it reused: a hit
+    assert ram.confirmed and ram.hits == 1
+    assert not ram.confirm(100, 10)  # prefilled again: a miss
+    assert ram.misses == 1 and ram.distrust == FIRST_DISTRUST and not ram.confirmed
+    for _ in range(FIRST_DISTRUST):
+        assert ram.predicts_hit("a") is None  # to the disk
+    assert ram.predicts_hit("a") is not None
+    assert not ram.confirm(100, 0)
+    assert ram.distrust == 2 * FIRST_DISTRUST
+    for _ in range(10):
+        ram.confirm(100, 0)
+    assert ram.distrust == MAX_DISTRUST
+    assert ram.confirm(100, 100) and ram.distrust == 0
+
+
+def test_forget_empties_the_model():
+    ram = RamModel()
+    ram.park("a", 10, 1)
+    ram.forget()
+    assert ram.holds("a") is None and ram.as_dict()["entries"] == 0
