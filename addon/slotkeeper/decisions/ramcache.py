@@ -18,6 +18,7 @@ when a handover will swap, and keeps a trust that answers' `cache_n` confirm or 
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -69,8 +70,10 @@ class Entry:
 
 class RamModel:
     """What one server's RAM prompt cache holds of slotkeeper's sessions, oldest first, and
-    how far its predictions are trusted. Not thread-safe by itself: the caller serializes
-    (a handover holds the slot's lease; the answers' checks run one per route)."""
+    how far its predictions are trusted. One per server, shared by the handovers and answer
+    checks of all its slots, which run in worker threads at once: every method that reads or
+    changes the entries or the trust takes the model's lock (a sum over the entries while
+    another thread parks one would raise)."""
 
     def __init__(self, limit_bytes: float = DEFAULT_LIMIT_BYTES, sps: float = DEFAULT_SPS) -> None:
         self.limit_bytes = limit_bytes
@@ -80,6 +83,7 @@ class RamModel:
         self._next_distrust = FIRST_DISTRUST
         self.hits = 0
         self.misses = 0
+        self._lock = threading.RLock()
 
     @property
     def enabled(self) -> bool:
@@ -93,8 +97,9 @@ class RamModel:
 
     def holds(self, session: str, tokens: int = 0) -> Entry | None:
         """The session's entry if the model says the cache holds at least `tokens` of it."""
-        entry = self._entries.get(session)
-        return entry if entry is not None and entry.tokens >= tokens else None
+        with self._lock:
+            entry = self._entries.get(session)
+            return entry if entry is not None and entry.tokens >= tokens else None
 
     def fits(self, nbytes: float | None) -> bool:
         """Would the server park an entry of `nbytes` at all (alloc skips over-limit ones)?
@@ -105,46 +110,52 @@ class RamModel:
     def park(self, session: str, tokens: int, nbytes: float | None) -> None:
         """The server parked the slot's prompt (a swap): newest entry; the oldest leave while
         the total passes the limit. An entry of unknown or over-limit size is not parked."""
-        self._entries.pop(session, None)
-        if tokens <= 0 or not self.fits(nbytes):
-            return
-        self._entries[session] = Entry(session, tokens, float(nbytes or 0.0))
-        if self.limit_bytes > 0:
-            while sum(e.nbytes for e in self._entries.values()) > self.limit_bytes:
-                self._entries.popitem(last=False)
+        with self._lock:
+            self._entries.pop(session, None)
+            if tokens <= 0 or not self.fits(nbytes):
+                return
+            self._entries[session] = Entry(session, tokens, float(nbytes or 0.0))
+            if self.limit_bytes > 0:
+                while sum(e.nbytes for e in self._entries.values()) > self.limit_bytes:
+                    self._entries.popitem(last=False)
 
     def take(self, session: str) -> Entry | None:
         """The server loaded the session's entry into a slot: it leaves the cache."""
-        return self._entries.pop(session, None)
+        with self._lock:
+            return self._entries.pop(session, None)
 
     def forget(self) -> None:
         """The server may have restarted: its cache is empty."""
-        self._entries.clear()
+        with self._lock:
+            self._entries.clear()
 
     def predicts_hit(self, session: str) -> Entry | None:
         """The entry a swap would load for `session`, unless the model is off or distrusted.
         Each distrusted call uses up one of the disk fallbacks."""
-        entry = self.holds(session) if self.enabled else None
-        if entry is None:
-            return None
-        if self.distrust > 0:
-            self.distrust -= 1
-            return None
-        return entry
+        with self._lock:
+            entry = self.holds(session) if self.enabled else None
+            if entry is None:
+                return None
+            if self.distrust > 0:
+                self.distrust -= 1
+                return None
+            return entry
 
     def confirm(self, expected_tokens: int, cache_n: int) -> bool:
         """An answer after a predicted RAM hit: True (a hit) when the server reused at least
         HIT_SHARE of what the entry held. A miss distrusts the next predictions (doubling)."""
-        if cache_n >= expected_tokens * HIT_SHARE:
-            self.hits += 1
-            self.distrust, self._next_distrust = 0, FIRST_DISTRUST
-            return True
-        self.misses += 1
-        self.distrust = self._next_distrust
-        self._next_distrust = min(self._next_distrust * 2, MAX_DISTRUST)
-        return False
+        with self._lock:
+            if cache_n >= expected_tokens * HIT_SHARE:
+                self.hits += 1
+                self.distrust, self._next_distrust = 0, FIRST_DISTRUST
+                return True
+            self.misses += 1
+            self.distrust = self._next_distrust
+            self._next_distrust = min(self._next_distrust * 2, MAX_DISTRUST)
+            return False
 
     def as_dict(self) -> dict[str, float | int]:
-        return {"entries": len(self._entries),
-                "bytes": round(sum(e.nbytes for e in self._entries.values())),
-                "hits": self.hits, "misses": self.misses, "distrust": self.distrust}
+        with self._lock:
+            return {"entries": len(self._entries),
+                    "bytes": round(sum(e.nbytes for e in self._entries.values())),
+                    "hits": self.hits, "misses": self.misses, "distrust": self.distrust}

@@ -3,6 +3,9 @@ handover swaps through it, what it holds, and the trust answers give or withdraw
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import pytest
 
 from slotkeeper.decisions.ramcache import (
@@ -85,3 +88,33 @@ def test_forget_empties_the_model():
     ram.park("a", 10, 1)
     ram.forget()
     assert ram.holds("a") is None and ram.as_dict()["entries"] == 0
+
+
+def test_handovers_of_several_slots_park_and_read_the_model_at_once():
+    """One model per server, used by every slot's handover in its own worker thread: a park
+    while another thread sums the entries must not raise (it did without the model's lock:
+    "OrderedDict mutated during iteration")."""
+    model = RamModel(limit_bytes=50_000)
+    errors: list[BaseException] = []
+
+    def churn(tag: str) -> None:
+        try:
+            for i in range(3000):
+                model.park(f"{tag}-{i}", 100, 1000.0)
+                model.as_dict()
+                model.take(f"{tag}-{i - 7}")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: the race shows at once
+    try:
+        threads = [threading.Thread(target=churn, args=(str(n),)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:3]
+    assert model.as_dict()["bytes"] <= 50_000
