@@ -82,11 +82,15 @@ def expected_seconds_saved(responses: list[dict[str, Any]]) -> float:
 
 
 def handover_proxy(make_llama, make_proxy, tmp_path: Path, **options: Any):
-    """One slot, so a second session evicts the first: every handover path runs."""
+    """One slot, so a second session evicts the first: every disk handover path runs. These
+    tests count the disk's saves and restores, so slotkeeper is told the server keeps no RAM
+    cache (else it leaves the two dissimilar sessions to that cache: tests/real/
+    test_ram_cache_real.py)."""
     slots = tmp_path / "slots"
     server = make_llama(np=1, ctx=4096, slot_save_path=slots)
     options = {"slotkeeper_small_request_chars": 0, "slotkeeper_slot_dir": str(slots),
-               "slotkeeper_max_seeds": 0, "slotkeeper_idle_save_seconds": 0, **options}
+               "slotkeeper_max_seeds": 0, "slotkeeper_idle_save_seconds": 0,
+               "slotkeeper_upstream_cache_ram_mb": 0, **options}
     return server, make_proxy(server, **options), slots
 
 

@@ -235,9 +235,11 @@ def test_saved_flows_carry_comment_marker_metadata_and_view(make_llama, make_pro
     slots = tmp_path / "slots"
     server = make_llama(np=1, ctx=4096, slot_save_path=slots)
     flows_file = tmp_path / "run.flows"
+    # The disk's handover (saved, restored) is what the flows must show: slotkeeper is told
+    # the server keeps no RAM cache, which it would otherwise leave these two sessions to.
     proxy = make_proxy(server, slotkeeper_small_request_chars=0, slotkeeper_slot_dir=str(slots),
                        slotkeeper_max_seeds=0, slotkeeper_idle_save_seconds=0,
-                       save_stream_file=str(flows_file))
+                       slotkeeper_upstream_cache_ram_mb=0, save_stream_file=str(flows_file))
     a = [{"role": "system", "content": long_system_prompt(300, seed=1)},
          {"role": "user", "content": "hi"}]
     b = [{"role": "system", "content": long_system_prompt(300, seed=2)},

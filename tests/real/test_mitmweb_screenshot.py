@@ -82,7 +82,9 @@ def launch_web(upstream: str, workdir: Path, port: int, web_port: int, password:
              "--set", "web_open_browser=false", "--set", f"confdir={workdir / 'confdir'}",
              "--set", f"slotkeeper_state_file={workdir / 'state.json'}",
              "--set", f"slotkeeper_slot_dir={workdir / 'slots'}",
-             "--set", "slotkeeper_idle_save_seconds=0", "--set", "slotkeeper_max_seeds=0"],
+             "--set", "slotkeeper_idle_save_seconds=0", "--set", "slotkeeper_max_seeds=0",
+             # the rows must show a disk restore, not the server's RAM cache's swap
+             "--set", "slotkeeper_upstream_cache_ram_mb=0"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 

@@ -79,7 +79,14 @@ def test_six_sessions_on_four_slots(make_llama, make_proxy, tmp_path):
     prefilled = [c.turns[k].prompt_n for c, k in order]
     actions = [c.turns[k].action for c, k in order]
     assert "restored" in actions, actions
-    assert actions[2:6] == ["seeded"] * 4, actions
+    # Sessions 3-6 start from the shared system prompt: from its seed, or from a slot or
+    # snapshot that holds it already where that costs less (issue #31's pricing: measured
+    # 14 prefilled where the seed's restore gave 17).
+    first = sessions[0].turns[0]
+    for c in sessions[2:]:
+        assert c.turns[0].action in ("seeded", "restored"), actions
+        assert c.turns[0].cache_n >= 0.9 * (first.prompt_n + first.cache_n), (c.turns[0], first)
+    assert "seeded" in actions, actions
     assert sum(prefilled) <= 1.1 * sum(allowed), (prefilled, allowed, actions)
     later = [(p, m) for (c, k), p, m in zip(order, prefilled, minimum) if k > 0]
     assert all(p <= 1.1 * m + 2 for p, m in later), (later, actions)
