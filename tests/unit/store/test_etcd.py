@@ -63,6 +63,12 @@ def test_a_cluster_down_fails_fast_and_pinning_comes_back(tmp_path, make_etcd):
         held = store.locks.try_acquire("u", 0, exclusive=True)
         assert held is not None
         cluster.kill(0)
+        # Reads come from the watch-fed copy until the watch sees its stream end: a read in
+        # that instant rightly answers from the copy (CI caught one), so wait for the watch.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and store.mirror.synced:
+            time.sleep(0.05)
+        assert not store.mirror.synced, "the watch did not notice etcd's end within 5 s"
         with pytest.raises(StoreUnavailable):
             store.state.read()
         assert not store.etcd.reachable and "UNREACHABLE" in store.describe()
