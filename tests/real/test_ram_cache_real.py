@@ -66,17 +66,55 @@ def test_a_returning_session_comes_back_from_the_servers_ram_cache(make_llama, m
 
 def test_without_the_ram_cache_the_miss_sends_the_next_returns_to_the_disk(make_llama,
                                                                            make_proxy, slot_dir):
+    """A server run with --cache-ram 0 behind the default option: the first return costs a
+    prefill (the option said the cache is there, so the handover saved nothing), its answer
+    shows the miss, and from then on the handovers save and restore through the disk."""
     server = make_llama(np=1, ctx=8192, slot_save_path=slot_dir, extra=["--cache-ram", "0"])
     proxy = make_proxy(server, slotkeeper_slot_dir=str(slot_dir), **OPTIONS)
     a, b = two_sessions()
     a.ask(proxy.url, "Name a colour.")
-    b.ask(proxy.url, "Name a city.")  # a saved (the cache is not confirmed yet)
+    b.ask(proxy.url, "Name a city.")  # a left to the RAM cache the option says is there
     a_again = a.ask(proxy.url, "And another?")  # predicted from RAM: the server prefilled it
-    b_again = b.ask(proxy.url, "And another?")  # after the miss: from the disk
+    b.ask(proxy.url, "And another?")  # after the miss: a saved on the way out
+    a_third = a.ask(proxy.url, "One more?")  # from the disk
     log = proxy.log_text()
     assert a_again.action == "assigned" and a_again.prompt_n >= 0.8 * a_again.prompt_tokens
     assert metric(proxy.url, "slotkeeper_ram_cache_total", 'result="miss"') == 1
     assert "reused" in log and "restore from disk" in log, log[-3000:]
-    assert b_again.action == "restored", (b_again, log[-3000:])
-    assert b_again.cache_n >= 0.9 * b.turns[0].prompt_tokens, b_again
-    assert metric(proxy.url, "slotkeeper_ram_cache_total", 'result="hit"') == 0
+    assert "saved ram-a" in line_of(log, "ram-b", 2), log[-3000:]
+    assert a_third.action == "restored", (a_third, log[-3000:])
+    assert a_third.cache_n >= a_again.prompt_tokens, (a_again, a_third)
+
+
+def three_sharing_one_system_prompt(tag: str) -> list[Conversation]:
+    system = long_system_prompt(700, seed=333)
+    return [Conversation(f"{tag}-{name}", system) for name in ("a", "b", "c")]
+
+
+def test_sessions_of_one_system_prompt_are_handed_back_through_the_ram_cache(
+        make_llama, make_proxy, slot_dir):
+    """Three sessions of one system prompt on two slots: a pinned request keeps the slot's
+    shared prompt, so the server alone never looks in its cache; slotkeeper hands the slot
+    back first and the returning session loads its whole conversation from RAM, as much as
+    llama-server's best own setting here (`-np 1 -sps 0`, which swaps on every request) gets
+    on the same turns, with no file written or read on the way."""
+    baseline = make_llama(np=1, ctx=8192, extra=["--slot-prompt-similarity", "0"])
+    server = make_llama(np=2, ctx=8192, slot_save_path=slot_dir)  # --cache-ram: its default
+    proxy = make_proxy(server, slotkeeper_slot_dir=str(slot_dir), **OPTIONS)
+    straight, through = three_sharing_one_system_prompt("s"), three_sharing_one_system_prompt("p")
+    for url, sessions in ((baseline.url, straight), (proxy.url, through)):
+        for question in ("Name a colour.", "And another?"):
+            for conversation in sessions:  # each its own words: no two prompts alike
+                conversation.ask(url, f"({conversation.session[2:]}) {question}")
+    log = proxy.log_text()
+    for (mine, theirs) in zip(through, straight):
+        second, first = mine.turns[1], mine.turns[0]
+        # the whole first turn (prompt and reply) came back: only the new turn prefilled
+        assert second.cache_n >= first.prompt_tokens, (mine.session, mine.turns, log[-3000:])
+        assert second.cache_n >= theirs.turns[1].cache_n - 8, (mine.turns, theirs.turns)
+    for mine in through:  # every return: handed back, nothing saved or restored on the way
+        returning = line_of(log, mine.session, 2)
+        assert "handed back to the server's RAM cache" in returning, log[-3000:]
+        assert "saved" not in returning and "restored" not in returning, returning
+    assert metric(proxy.url, "slotkeeper_ram_cache_total", 'result="hit"') == 3, log[-3000:]
+    assert metric(proxy.url, "slotkeeper_ram_cache_total", 'result="miss"') == 0, log[-3000:]

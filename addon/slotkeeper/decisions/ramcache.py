@@ -34,6 +34,10 @@ HIT_SHARE = 0.5
 # or evicted the entry for a reason the model does not see. One later hit restores trust.
 FIRST_DISTRUST = 2
 MAX_DISTRUST = 64
+# A hand-back (routing/ramhandover.py) costs one small completion: ~35 ms on the test bed, the
+# prefill of ~17 of its tokens. It is sent only when the cache gives back at least this many
+# tokens more than the slot keeps by itself and than the session's snapshot holds.
+HAND_BACK_MIN_GAIN = 64
 
 
 def server_swaps(slot_tokens: int, shared_tokens: int, new_tokens: int,
@@ -47,6 +51,16 @@ def server_swaps(slot_tokens: int, shared_tokens: int, new_tokens: int,
     f_sim = shared_tokens / new_tokens
     kept = shared_tokens if f_sim > sps else 0
     return kept / slot_tokens < KEEP_THRESHOLD
+
+
+def hand_back_pays(entry_tokens: int, kept_tokens: int, snapshot_tokens: int) -> bool:
+    """Hand a slot back to the server's RAM cache before a request whose session the cache
+    holds (`entry_tokens`), when the slot already holds `kept_tokens` of the request (the
+    system prompt both share) and the session's snapshot on disk `snapshot_tokens`? Yes when
+    the entry gives back HAND_BACK_MIN_GAIN tokens more than the slot keeps, and at least as
+    much as the snapshot (then the RAM copy spares the disk read)."""
+    return (entry_tokens >= snapshot_tokens
+            and entry_tokens - kept_tokens >= HAND_BACK_MIN_GAIN)
 
 
 def shared_estimate(outgoing_system: str | None, incoming_system: str | None,
@@ -91,9 +105,12 @@ class RamModel:
 
     @property
     def confirmed(self) -> bool:
-        """An answer showed this server's cache at work, and no miss since: only then is a
-        handover save left to it (a server run with --cache-ram 0 would lose that session)."""
-        return self.enabled and self.hits > 0 and self.distrust == 0
+        """Is a handover save left to the cache? From the start, as the option says the
+        server keeps one (on a GPU host each such save writes GiBs while every other slot
+        waits); after a miss only once a later answer showed the cache at work again. A server
+        run with --cache-ram 0 behind the default option costs each of the first handed-over
+        sessions what it grew since its last snapshot: a prefill, never a wrong answer."""
+        return self.enabled and self.distrust == 0 and (self.hits > 0 or self.misses == 0)
 
     def holds(self, session: str, tokens: int = 0) -> Entry | None:
         """The session's entry if the model says the cache holds at least `tokens` of it."""
@@ -106,6 +123,16 @@ class RamModel:
         An unknown size (no slot file measured yet on this server) counts as fitting: the
         answer's cache_n tells, and 8 GiB holds 64k tokens of an 8B model's KV."""
         return self.limit_bytes < 0 or nbytes is None or nbytes <= self.limit_bytes
+
+    def has_room(self, session: str, nbytes: float | None) -> bool:
+        """Would the session's entry of `nbytes` stay in the cache without pushing out any
+        other entry? Only then is it left there with no disk save: an entry the cache drops
+        before the session returns costs its whole prefill."""
+        with self._lock:
+            if self.limit_bytes < 0 or nbytes is None:
+                return self.fits(nbytes)
+            others = sum(e.nbytes for e in self._entries.values() if e.session != session)
+            return others + nbytes <= self.limit_bytes
 
     def park(self, session: str, tokens: int, nbytes: float | None) -> None:
         """The server parked the slot's prompt (a swap): newest entry; the oldest leave while

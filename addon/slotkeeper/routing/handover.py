@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from ..decisions import policy, pricing, ramcache
-from ..decisions.ramcache import Entry
+from ..decisions import policy, pricing
 from ..identity.identity import Identity
 from ..observe import metrics
 from ..snapshots.saves import Saves
@@ -20,6 +19,7 @@ from ..store.locks import SlotLease, SlotLocks
 from ..store.state import SlotRecord, StateFile
 from ..upstream.client import UpstreamError
 from ..upstream.registry import UpstreamInfo
+from .ramhandover import RamHandover
 from .routes import ASSIGNED, RESTORED, SEEDED, Route
 
 log = logging.getLogger("slotkeeper")
@@ -40,6 +40,7 @@ class Handover:
         self.saves = saves
         self.snapshots = snapshots
         self.erase_on_handover = erase_on_handover
+        self.ram = RamHandover(saves, snapshots, erase_on_handover)
 
     def hand_over(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
                   lease: SlotLease, previous: SlotRecord | None, live_tokens: int,
@@ -53,30 +54,37 @@ class Handover:
             self.saves.mark_fresh(url, slot, session, 0)
             return Route(url, session, ident.rule, slot, ASSIGNED, lease=lease,
                          detail="server has no --slot-save-path")
-        swaps = self._server_swaps(info, ident, previous, live_tokens)
+        swaps = self.ram.server_swaps(info, ident, previous, live_tokens)
         entry = info.ram.predicts_hit(session) if swaps else None
         if entry is not None and previous is not None:
-            return self._from_ram(url, info, ident, slot, lease, previous, live_tokens, entry)
-        if (swaps and previous is not None and info.ram.confirmed
-                and self._nothing_to_restore(ident)):
-            # nothing will overwrite the slot: the request's swap parks the outgoing session
-            # in RAM, so its save is left to a priced idle save once it is back in a slot
+            return self.ram.from_ram(url, info, ident, slot, lease, previous, live_tokens, entry)
+        resident = self._resident(ident, previous)
+        handed_back = None if swaps else self.ram.hand_back(
+            url, info, ident, slot, lease, previous, live_tokens, resident)
+        if handed_back is not None:
+            return handed_back
+        leaving = previous is not None and previous.owner != session and not previous.stale
+        if leaving and self.ram.keeps(info, previous, live_tokens) and (
+                (swaps and self.ram.nothing_to_restore(ident))
+                or info.published(previous.owner)):
+            # the request's swap parks the outgoing session in RAM (nothing will overwrite the
+            # slot first), or the server copied it there while it sat idle: its save is left
+            # to a priced idle save once it is back in a slot
             notes.append(f"{previous.owner} left to the server's RAM cache")
             metrics.eviction("session", False)
-        elif previous is not None and previous.owner != session and not previous.stale:
+        elif leaving:
             saved = self.saves.save_if_worth(url, info, slot, previous, live_tokens)
             metrics.eviction("session", saved)
             if saved:
                 notes.append(f"saved {previous.owner}")
         in_slot = previous.owner if previous is not None and not previous.stale else None
-        action, restored = self._restore(url, info, ident, slot, in_slot, notes,
-                                         self._resident(ident, previous))
+        action, restored = self._restore(url, info, ident, slot, in_slot, notes, resident)
         if (previous is not None and not previous.stale and previous.owner != session
                 and ((swaps and not restored and not self.erase_on_handover)
                      or info.published(previous.owner))):
             # the request's swap parks the outgoing session in RAM, or the server copied it
             # there while it sat idle
-            self._park(info, previous, live_tokens)
+            self.ram.park(info, previous, live_tokens)
         if not restored and self.erase_on_handover:
             try:
                 with metrics.timed("erase"):
@@ -92,67 +100,6 @@ class Handover:
         return Route(url, session, ident.rule, slot,
                      RESTORED if action == PREFIXED else action, detail="; ".join(notes),
                      lease=lease, restored_tokens=restored, prefix_from=prefix_from)
-
-    @staticmethod
-    def _server_swaps(info: UpstreamInfo, ident: Identity, previous: SlotRecord | None,
-                      live_tokens: int) -> bool:
-        """Will the request, pinned to this slot as it is now (holding `previous`'s session),
-        go through llama-server's RAM cache (ramcache.server_swaps)? Only when what the two
-        share is known to be small: their system blocks differ (DESIGN, issue #31)."""
-        if (previous is None or previous.stale or previous.owner == ident.session_id
-                or not info.ram.enabled):
-            return False
-        parent = ident.prefix is not None and ident.prefix.session == previous.owner
-        shared = ramcache.shared_estimate(previous.system_key or None, ident.seed_key, parent)
-        if shared is None:
-            return False
-        return ramcache.server_swaps(max(previous.tokens, live_tokens), shared,
-                                     max(ident.prompt_chars // 4, 1), info.ram.sps)
-
-    def _nothing_to_restore(self, ident: Identity) -> bool:
-        """No file of the session's own, of its seed or of a parent: nothing the handover could
-        restore over the slot (and no erase: keep_prefix)."""
-        if self.erase_on_handover:
-            return False
-        folder = self.snapshots.folder if self.snapshots is not None else None
-        if folder is None:
-            return True
-        seed = folder.read_meta(seed_id(ident.seed_key)) if ident.seed_key else None
-        return (ident.prefix is None and seed is None
-                and folder.read_meta(ident.session_id) is None)
-
-    def _park(self, info: UpstreamInfo, previous: SlotRecord, live_tokens: int) -> None:
-        """The outgoing session is in the server's RAM cache now. Only modelled with a slot
-        folder: without one there is no disk save or restore for the model to spare."""
-        if self.snapshots is None:
-            return
-        tokens = max(previous.tokens, live_tokens)
-        info.ram.park(previous.owner, tokens, info.client.costs.rates().file_bytes(tokens))
-
-    def _from_ram(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
-                  lease: SlotLease, previous: SlotRecord, live_tokens: int,
-                  entry: Entry) -> Route:
-        """The incoming session is in llama-server's RAM cache and the request will swap: no
-        disk save of the outgoing session once the cache is confirmed (the server parks it in
-        RAM; its growth since its last snapshot is saved by a priced idle save once it is back
-        in a slot) and no disk
-        restore of the incoming one (it would overwrite the slot, and the server would then
-        never look in its cache). The answer's cache_n confirms it (accounting)."""
-        session = ident.session_id
-        # until an answer has shown this server's cache at work, the outgoing session is saved
-        # as before: the prediction may miss, and then only the disk has it
-        saved = (not info.ram.confirmed
-                 and self.saves.save_if_worth(url, info, slot, previous, live_tokens))
-        self._park(info, previous, live_tokens)
-        info.ram.take(session)
-        metrics.eviction("session", saved)
-        meta = self.snapshots.folder.read_meta(session) if self.snapshots else None
-        self.saves.mark_fresh(url, slot, session, entry.tokens,
-                              saved_tokens=meta.n_tokens if meta is not None else 0)
-        return Route(url, session, ident.rule, slot, ASSIGNED, lease=lease,
-                     detail=(f"{previous.owner} left to the server's RAM cache; "
-                             f"{entry.tokens:,} tokens expected back from it"),
-                     ram_tokens=entry.tokens)
 
     def _resident(self, ident: Identity, previous: SlotRecord | None) -> int:
         """Tokens the slot already holds of the request, that the server keeps without any
@@ -298,7 +245,7 @@ class Handover:
             return ""
         saved = save and self.saves.save_if_worth(url, info, slot, rec, live_tokens)
         if info.published(rec.owner):  # the server copied it to RAM while it sat idle
-            self._park(info, rec, live_tokens)
+            self.ram.park(info, rec, live_tokens)
         metrics.eviction("side", saved)
         self.saves.mark_stale(url, slot, rec.owner)
         return f"{rec.owner} will be restored" if saved else f"displaced {rec.owner}"

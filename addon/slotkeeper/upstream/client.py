@@ -57,6 +57,9 @@ UPSTREAM_KEY_ENV = "SLOTKEEPER_UPSTREAM_API_KEY"
 SLOT_CALL_BASE_S = 5.0
 SLOT_IO_FLOOR_BYTES_PER_S = 50 * 1024 * 1024
 BATCH_TOKENS = 2048
+# The prompt of a hand-back (Upstream.hand_back): any text that shares at most the BOS token
+# with a chat prompt, so that the server takes it as a different conversation.
+HAND_BACK_PROMPT = "slotkeeper: this slot changes hands"
 
 
 def slot_call_timeout(nbytes: int, io_bytes_per_s: float | None = None,
@@ -297,6 +300,17 @@ class Upstream:
 
     def erase(self, slot: int) -> dict[str, Any]:
         return self.post_json(f"/slots/{int(slot)}?action=erase", {}, timeout=slot_call_timeout(
+            0, prefill_tokens_per_s=self.costs.rates().prefill_tokens_per_s))
+
+    def hand_back(self, slot: int) -> dict[str, Any]:
+        """Make llama-server park what `slot` holds in its RAM prompt cache and clear the
+        slot: a one-token completion pinned there whose prompt shares nothing with it (the
+        server swaps through its cache when a pinned request keeps under half of the slot;
+        routing/ramhandover.py). Its KV moves in host memory, so the bound is a slot call's."""
+        return self.post_json("/completion", {
+            "prompt": HAND_BACK_PROMPT, "n_predict": 0, "id_slot": int(slot),
+            "cache_prompt": True, "temperature": 0.0,
+        }, timeout=slot_call_timeout(
             0, prefill_tokens_per_s=self.costs.rates().prefill_tokens_per_s))
 
     def busy(self) -> bool:

@@ -12,6 +12,7 @@ from slotkeeper.decisions.ramcache import (
     FIRST_DISTRUST,
     MAX_DISTRUST,
     RamModel,
+    hand_back_pays,
     server_swaps,
     shared_estimate,
 )
@@ -67,7 +68,8 @@ def test_off_when_the_cache_or_sps_is_zero():
 def test_a_miss_sends_the_next_predictions_to_the_disk_doubling_and_a_hit_restores_trust():
     ram = RamModel()
     ram.park("a", 100, 1)
-    assert ram.predicts_hit("a") is not None and not ram.confirmed
+    # the option says the server keeps a cache: trusted from the start
+    assert ram.predicts_hit("a") is not None and ram.confirmed
     assert ram.confirm(100, 80)  # most of it reused: a hit
     assert ram.confirmed and ram.hits == 1
     assert not ram.confirm(100, 10)  # prefilled again: a miss
@@ -80,7 +82,28 @@ def test_a_miss_sends_the_next_predictions_to_the_disk_doubling_and_a_hit_restor
     for _ in range(10):
         ram.confirm(100, 0)
     assert ram.distrust == MAX_DISTRUST
-    assert ram.confirm(100, 100) and ram.distrust == 0
+    assert ram.confirm(100, 100) and ram.distrust == 0 and ram.confirmed
+
+
+def test_a_model_that_missed_first_is_trusted_only_after_a_hit():
+    ram = RamModel()
+    ram.park("a", 100, 1)
+    assert not ram.confirm(100, 0)  # a server run with --cache-ram 0, say
+    ram.distrust = 0
+    assert not ram.confirmed
+    assert ram.confirm(100, 100) and ram.confirmed
+
+
+@pytest.mark.parametrize(("entry", "kept", "snapshot", "pays"), [
+    (900, 725, 0, True),  # the conversation back, where the slot keeps the system prompt
+    (900, 725, 900, True),  # as much as the snapshot: RAM spares the disk read
+    (900, 725, 1000, False),  # the snapshot holds more
+    (780, 725, 0, False),  # 55 tokens more than the slot keeps: not worth the extra call
+    (900, 0, 0, True),  # nothing known of what the slot keeps
+])
+def test_a_hand_back_pays_when_ram_gives_back_more_than_slot_and_disk(entry, kept, snapshot,
+                                                                      pays):
+    assert hand_back_pays(entry, kept, snapshot) is pays
 
 
 def test_forget_empties_the_model():

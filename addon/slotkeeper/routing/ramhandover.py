@@ -1,0 +1,154 @@
+"""The RAM side of a handover (issue #31): when the incoming session is in llama-server's own
+RAM prompt cache, the slot changes hands through that cache instead of the disk. Two ways in:
+
+- **The server swaps by itself**: the slot holds a session the request shares little with
+  (different system blocks), so the pinned request keeps under half of the slot and the server
+  parks it in RAM and loads the incoming session's entry (ramcache.server_swaps).
+- **Handed back**: the two share a long prefix (the same system prompt), so the server would
+  keep the slot as it is and never look in its cache. slotkeeper first sends a one-token
+  completion pinned to the slot (`Upstream.hand_back`): it shares nothing with the slot, so the
+  server parks the slot's prompt in RAM and clears it; the request then finds the slot holding
+  only those few tokens and loads its own entry from RAM. Measured on b11434 (DESIGN, "Handing
+  a slot back to the server's RAM cache"): ~35 ms for the extra call on the bed, and the
+  session's whole conversation back (888 of 893 tokens) where the pinned request alone reused
+  the 725 of the system prompt.
+
+Only for a session the model says the cache holds: a request without an entry of its own
+would load another session's entry (the server takes it out of the cache) and keep only the
+shared system prompt of it. Blocking: worker threads, under the slot's exclusive lease."""
+
+from __future__ import annotations
+
+import logging
+
+from ..decisions import ramcache
+from ..decisions.ramcache import Entry
+from ..identity.identity import Identity
+from ..observe import metrics
+from ..snapshots.saves import Saves
+from ..snapshots.snapshots import Snapshots, seed_id
+from ..store.locks import SlotLease
+from ..store.state import SlotRecord
+from ..upstream.client import UpstreamError
+from ..upstream.registry import UpstreamInfo
+from .routes import ASSIGNED, Route
+
+log = logging.getLogger("slotkeeper")
+
+
+class RamHandover:
+    """Owns: whether a handover goes through the server's RAM cache, the hand-back call, and
+    the RAM model's bookkeeping of what was parked and taken. Does not touch: disk restores,
+    seeds and prefixes (handover.py), which slot (the walk)."""
+
+    def __init__(self, saves: Saves, snapshots: Snapshots | None,
+                 erase_on_handover: bool) -> None:
+        self.saves = saves
+        self.snapshots = snapshots
+        self.erase_on_handover = erase_on_handover
+
+    @staticmethod
+    def server_swaps(info: UpstreamInfo, ident: Identity, previous: SlotRecord | None,
+                     live_tokens: int) -> bool:
+        """Will the request, pinned to this slot as it is now (holding `previous`'s session),
+        go through llama-server's RAM cache (ramcache.server_swaps)? Only when what the two
+        share is known to be small: their system blocks differ (DESIGN, issue #31)."""
+        if (previous is None or previous.stale or previous.owner == ident.session_id
+                or not info.ram.enabled):
+            return False
+        parent = ident.prefix is not None and ident.prefix.session == previous.owner
+        shared = ramcache.shared_estimate(previous.system_key or None, ident.seed_key, parent)
+        if shared is None:
+            return False
+        return ramcache.server_swaps(max(previous.tokens, live_tokens), shared,
+                                     max(ident.prompt_chars // 4, 1), info.ram.sps)
+
+    def nothing_to_restore(self, ident: Identity) -> bool:
+        """No file of the session's own, of its seed or of a parent: nothing the handover could
+        restore over the slot (and no erase: keep_prefix)."""
+        if self.erase_on_handover:
+            return False
+        folder = self.snapshots.folder if self.snapshots is not None else None
+        if folder is None:
+            return True
+        seed = folder.read_meta(seed_id(ident.seed_key)) if ident.seed_key else None
+        return (ident.prefix is None and seed is None
+                and folder.read_meta(ident.session_id) is None)
+
+    def park(self, info: UpstreamInfo, previous: SlotRecord, live_tokens: int) -> None:
+        """The outgoing session is in the server's RAM cache now. Only modelled with a slot
+        folder: without one there is no disk save or restore for the model to spare."""
+        if self.snapshots is None:
+            return
+        tokens = max(previous.tokens, live_tokens)
+        info.ram.park(previous.owner, tokens, info.client.costs.rates().file_bytes(tokens))
+
+    def keeps(self, info: UpstreamInfo, previous: SlotRecord, live_tokens: int) -> bool:
+        """May the outgoing session be left to the server's RAM cache with no disk save? When
+        the model is trusted and the cache has room for it without dropping another entry."""
+        tokens = max(previous.tokens, live_tokens)
+        return (self.snapshots is not None and info.ram.confirmed and info.ram.has_room(
+            previous.owner, info.client.costs.rates().file_bytes(tokens)))
+
+    def hand_back(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
+                  lease: SlotLease, previous: SlotRecord | None, live_tokens: int,
+                  resident_tokens: int) -> Route | None:
+        """The slot's session and the incoming one share a prefix the server would keep, and
+        the cache holds more of the incoming session than that prefix and its snapshot: hand
+        the slot back to the cache, then let the request load its entry. None: not this way
+        (the disk's handover runs)."""
+        session = ident.session_id
+        if (previous is None or previous.stale or previous.owner == session
+                or self.erase_on_handover or self.snapshots is None or not info.ram.enabled):
+            return None
+        held = info.ram.holds(session)
+        meta = self.snapshots.folder.read_meta(session)
+        outgoing = max(previous.tokens, live_tokens)
+        if (held is None or not info.ram.fits(info.client.costs.rates().file_bytes(outgoing))
+                or not ramcache.hand_back_pays(held.tokens, resident_tokens,
+                                               meta.n_tokens if meta is not None else 0)):
+            return None
+        entry = info.ram.predicts_hit(session)  # None while answers distrust the model
+        if entry is None:
+            return None
+        return self.from_ram(url, info, ident, slot, lease, previous, live_tokens, entry,
+                             hand_back=True)
+
+    def from_ram(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
+                 lease: SlotLease, previous: SlotRecord, live_tokens: int, entry: Entry,
+                 hand_back: bool = False) -> Route:
+        """The incoming session is in llama-server's RAM cache and the request will swap
+        (after the hand-back call, when `hand_back`): no disk save of the outgoing session
+        while the model is trusted (the server parks it in RAM; its growth since its last
+        snapshot is saved by a priced idle save once it is back in a slot) and no disk
+        restore of the incoming one (it would overwrite the slot, and the server would then
+        never look in its cache). The answer's cache_n confirms it (accounting)."""
+        session = ident.session_id
+        # while answers distrust the model, or the cache would drop it, the outgoing session
+        # is saved as before: then only the disk would have it
+        saved = (not self.keeps(info, previous, live_tokens)
+                 and self.saves.save_if_worth(url, info, slot, previous, live_tokens))
+        how = f"{previous.owner} left to the server's RAM cache"
+        if hand_back:
+            try:
+                info.client.hand_back(slot)
+            except UpstreamError as e:
+                # what the slot holds now is not known: no claim on it for anybody, and the
+                # request prefills what it must (its answer is the server's, right either way)
+                log.warning("%s: could not hand slot %d back to %s's RAM cache (%s): the "
+                            "request prefills what the slot lacks", session, slot, url, e)
+                info.ram.take(session)  # whether the request loads it is not known
+                metrics.eviction("session", saved)
+                self.saves.mark_fresh(url, slot, session, 0)
+                return Route(url, session, ident.rule, slot, ASSIGNED, lease=lease,
+                             detail=f"hand-back to the server's RAM cache failed ({e})")
+            how = f"slot {slot} handed back to the server's RAM cache with {previous.owner}"
+        self.park(info, previous, live_tokens)
+        info.ram.take(session)
+        metrics.eviction("session", saved)
+        meta = self.snapshots.folder.read_meta(session) if self.snapshots else None
+        self.saves.mark_fresh(url, slot, session, entry.tokens,
+                              saved_tokens=meta.n_tokens if meta is not None else 0)
+        return Route(url, session, ident.rule, slot, ASSIGNED, lease=lease,
+                     detail=f"{how}; {entry.tokens:,} tokens expected back from it",
+                     ram_tokens=entry.tokens)
