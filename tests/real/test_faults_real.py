@@ -562,7 +562,10 @@ def corruptions(state: bytes) -> dict[str, bytes | None]:
 def test_corrupt_slot_files_are_never_restored(make_llama, make_proxy, slot_dir, llama,
                                                reliability):
     server = make_llama(np=4, ctx=8192, slot_save_path=slot_dir)
-    proxy = make_proxy(server, slotkeeper_slot_dir=str(slot_dir), **SAVE_FAST)
+    # every session saved on its way out (not left to the server's RAM cache): the files are
+    # what this test damages
+    proxy = make_proxy(server, slotkeeper_slot_dir=str(slot_dir), **SAVE_FAST,
+                       slotkeeper_upstream_cache_ram_mb=0)
     file_cases = list(corruptions(b"\0" * 64))
     meta_cases = ["meta not JSON", "meta deleted", "meta of another session"]
     sessions = {case: Session(f"corrupt-{i}") for i, case in enumerate(file_cases + meta_cases)}

@@ -104,12 +104,18 @@ def return_costs(rates: Rates, tokens: int, saved_tokens: int,
     return save + restore, without
 
 
-def save_now(predicted_stall: float | None, others_generating: bool, budget: float) -> bool:
+def save_now(predicted_stall: float | None, others_generating: bool, budget: float,
+             quiet: bool = True, holds_answer: bool = False) -> bool:
     """May a save that need not happen now (idle, periodic) run now? The server writes a slot
-    on its main loop, so while it does no other slot produces a token: run it when no other
-    slot is generating, or when its predicted stall (its bytes at the measured save speed)
-    fits the budget. Unknown (no save measured yet on this server): run it, which measures."""
-    return not others_generating or predicted_stall is None or predicted_stall <= budget
+    on its main loop, so while it does no other slot produces a token and no new request
+    starts. A save whose predicted stall (its bytes at the measured save speed) fits the
+    budget runs at once; unknown (no save measured yet on this server) too, which measures
+    it. A longer one runs only when the server is quiet: no other slot generating and nothing
+    sent to or answered by it for a while (`quiet`), so that it delays nobody. Never a longer
+    one that `holds_answer` (a growth save after an answer: the answer's end waits for it)."""
+    if predicted_stall is None or predicted_stall <= budget:
+        return True
+    return not holds_answer and not others_generating and quiet
 
 
 def within_write_budget(written_last_hour: float, nbytes: float | None, budget: float) -> bool:

@@ -34,10 +34,9 @@ HIT_SHARE = 0.5
 # or evicted the entry for a reason the model does not see. One later hit restores trust.
 FIRST_DISTRUST = 2
 MAX_DISTRUST = 64
-# A hand-back (routing/ramhandover.py) costs one small completion: ~35 ms on the test bed, the
-# prefill of ~17 of its tokens. It is sent only when the cache gives back at least this many
-# tokens more than the slot keeps by itself and than the session's snapshot holds.
-HAND_BACK_MIN_GAIN = 64
+# A hand-back (routing/ramhandover.py) costs one small completion: 31-59 ms on the test bed,
+# the prefill of ~16 of its tokens. It is sent only when it gives back at least that much.
+HAND_BACK_MIN_GAIN = 16
 
 
 def server_swaps(slot_tokens: int, shared_tokens: int, new_tokens: int,
@@ -53,14 +52,19 @@ def server_swaps(slot_tokens: int, shared_tokens: int, new_tokens: int,
     return kept / slot_tokens < KEEP_THRESHOLD
 
 
-def hand_back_pays(entry_tokens: int, kept_tokens: int, snapshot_tokens: int) -> bool:
+def hand_back_pays(entry_tokens: int, kept_tokens: int, snapshot_tokens: int,
+                   restore_as_tokens: float = 0.0) -> bool:
     """Hand a slot back to the server's RAM cache before a request whose session the cache
-    holds (`entry_tokens`), when the slot already holds `kept_tokens` of the request (the
-    system prompt both share) and the session's snapshot on disk `snapshot_tokens`? Yes when
-    the entry gives back HAND_BACK_MIN_GAIN tokens more than the slot keeps, and at least as
-    much as the snapshot (then the RAM copy spares the disk read)."""
-    return (entry_tokens >= snapshot_tokens
-            and entry_tokens - kept_tokens >= HAND_BACK_MIN_GAIN)
+    holds (`entry_tokens`), rather than restore the session's snapshot (`snapshot_tokens`;
+    0 when there is none or its restore does not pay) over a slot that holds `kept_tokens` of
+    the request already (the system prompt both share)? Yes when what the cache gives back
+    beyond the better of the two, plus the restore it spares (`restore_as_tokens`: its
+    seconds as tokens of prefill), reaches HAND_BACK_MIN_GAIN."""
+    base = max(kept_tokens, snapshot_tokens)
+    if entry_tokens < snapshot_tokens:
+        return False
+    spared = restore_as_tokens if snapshot_tokens > kept_tokens else 0.0
+    return entry_tokens - base + spared >= HAND_BACK_MIN_GAIN
 
 
 def shared_estimate(outgoing_system: str | None, incoming_system: str | None,

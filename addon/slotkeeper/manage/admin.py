@@ -85,12 +85,16 @@ class SessionAdmin:
         }
 
     def clear(self) -> dict:
-        """Erase every claimed slot and drop every claim. Saved files stay."""
+        """Erase every claimed slot and drop every claim, and what slotkeeper counted on in
+        the servers' RAM caches (nothing is handed back from there afterwards). Saved files
+        stay."""
         erased = []
         for url, up in self.router.state.read().upstreams.items():
             for slot_id in list(up.slots):
                 self._release_slot(url, slot_id, owner=None)
                 erased.append({"upstream": url, "slot": slot_id})
+        for _, info in self.router.upstreams.known():
+            info.ram.forget()
         return {"erased": erased}
 
     def forget(self, session: str) -> dict | None:
@@ -101,6 +105,8 @@ class SessionAdmin:
             if slot_id is not None:
                 self._release_slot(url, slot_id, owner=session)
                 found = True
+        for _, info in self.router.upstreams.known():
+            info.ram.take(session)
         snapshots = self.router.snapshots
         deleted = snapshots.delete(session) if snapshots else False
         if not (found or deleted):

@@ -32,6 +32,12 @@ from .routes import (
     resident_slot,
 )
 
+# A save longer than the stall budget that can wait (the idle save) runs only once the server
+# has had nothing of ours sent to it or ended on it for this long: a client's next turn comes
+# within ~50 ms of its answer (the benches' clients) or after a tool call of a second or so,
+# and a save the server runs meanwhile holds that turn for its whole length.
+QUIET_SECONDS = 2.0
+
 log = logging.getLogger("slotkeeper")
 
 
@@ -151,7 +157,8 @@ class Accounting:
             info.last_seen[route.session] = Seen(now, tokens, route.messages)
         if (self._grew_enough(route, tokens) and tokens is not None
                 and self.saves.pays(info, route.session, tokens, self._saved_tokens(route))
-                and self.saves.when(info, route.slot, route.session, tokens) == NOW):
+                and self.saves.when(info, route.slot, route.session, tokens,
+                                    holds_answer=True) == NOW):
             self.saves.save_slot(route.upstream, info, route.slot, route.session, route.messages)
         last = info.usage_written.get(route.session, 0.0)
         if route.action == KEPT and now - last < self.config.usage_write_interval:
@@ -252,7 +259,8 @@ class Accounting:
             return False  # it came back: its own next idle period will save it
         slot = resident_slot(self.state.read(), url, session)
         if slot is not None and self._grown(url, slot, seen.tokens):
-            when = self.saves.when(info, slot, session, seen.tokens)
+            when = self.saves.when(info, slot, session, seen.tokens,
+                                   quiet=info.quiet_for(QUIET_SECONDS, self.clock()))
             if when == LATER:
                 return None
             if when == NOT_THIS_HOUR:

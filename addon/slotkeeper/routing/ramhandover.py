@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from ..decisions import ramcache
+from ..decisions import pricing, ramcache
 from ..decisions.ramcache import Entry
 from ..identity.identity import Identity
 from ..observe import metrics
@@ -102,11 +102,18 @@ class RamHandover:
                 or self.erase_on_handover or self.snapshots is None or not info.ram.enabled):
             return None
         held = info.ram.holds(session)
+        rates = info.client.costs.rates()
+        if held is None or not info.ram.fits(rates.file_bytes(max(previous.tokens,
+                                                                   live_tokens))):
+            return None
         meta = self.snapshots.folder.read_meta(session)
-        outgoing = max(previous.tokens, live_tokens)
-        if (held is None or not info.ram.fits(info.client.costs.rates().file_bytes(outgoing))
-                or not ramcache.hand_back_pays(held.tokens, resident_tokens,
-                                               meta.n_tokens if meta is not None else 0)):
+        snapshot = meta.n_tokens if meta is not None else 0
+        restore = rates.restore_seconds(meta.size_bytes) if meta is not None else None
+        if restore is not None and not pricing.restore_pays(rates, meta.size_bytes,
+                                                            snapshot - resident_tokens):
+            snapshot, restore = 0, None  # the disk's way would prefill, not restore
+        as_tokens = (restore or 0.0) * (rates.prefill_tokens_per_s or 0.0)
+        if not ramcache.hand_back_pays(held.tokens, resident_tokens, snapshot, as_tokens):
             return None
         entry = info.ram.predicts_hit(session)  # None while answers distrust the model
         if entry is None:
@@ -138,6 +145,8 @@ class RamHandover:
                 log.warning("%s: could not hand slot %d back to %s's RAM cache (%s): the "
                             "request prefills what the slot lacks", session, slot, url, e)
                 info.ram.take(session)  # whether the request loads it is not known
+                if info.published(previous.owner):  # copied there while it sat idle
+                    self.park(info, previous, live_tokens)
                 metrics.eviction("session", saved)
                 self.saves.mark_fresh(url, slot, session, 0)
                 return Route(url, session, ident.rule, slot, ASSIGNED, lease=lease,

@@ -69,11 +69,13 @@ class Saves:
                  "snapshot and a prefill of the rest)", session, tokens, costs[0], costs[1])
         return False
 
-    def when(self, info: UpstreamInfo, slot: int, session: str, tokens: int) -> str:
-        """For a save that can wait (idle, periodic): NOW, LATER (another slot generates and
-        the save's predicted stall, its bytes at the measured save speed, exceeds the stall
-        budget) or NOT_THIS_HOUR (the write budget is spent). Handover and shutdown saves
-        never ask: they must happen."""
+    def when(self, info: UpstreamInfo, slot: int, session: str, tokens: int,
+             quiet: bool = True, holds_answer: bool = False) -> str:
+        """For a save that can wait (idle, periodic): NOW, LATER (its predicted stall, its
+        bytes at the measured save speed, exceeds the stall budget and another slot
+        generates, the server is not `quiet`, or it `holds_answer`: pricing.save_now) or
+        NOT_THIS_HOUR (the write budget is spent). Handover and shutdown saves never ask:
+        they must happen."""
         rates = info.client.costs.rates()
         nbytes = rates.file_bytes(tokens)
         if nbytes is None and self.snapshots is not None:
@@ -90,12 +92,13 @@ class Saves:
             others = any(v.is_processing and v.id != slot for v in info.client.slots())
         except SlotsUnavailable:
             others = False
-        if pricing.save_now(stall, others, self.stall_budget):
+        if pricing.save_now(stall, others, self.stall_budget, quiet, holds_answer):
             return NOW
         metrics.save_skipped("stall_budget")
-        log.info("save of %s deferred: ~%.1f s of stall for the other slots' streams "
-                 "(slotkeeper_stall_budget_ms %d)", session, stall or 0.0,
-                 self.stall_budget * 1000)
+        why = ("the other slots' streams" if others else "the answer's end" if holds_answer
+               else "the next request (the server is not quiet)")
+        log.info("save of %s deferred: ~%.1f s of stall for %s (slotkeeper_stall_budget_ms "
+                 "%d)", session, stall or 0.0, why, self.stall_budget * 1000)
         return LATER
 
     def save_slot(self, url: str, info: UpstreamInfo, slot: int, owner: str,

@@ -44,6 +44,12 @@ class UpstreamInfo:
         seen = self.last_seen.get(session)
         return seen is not None and seen.at < self.launched_at
 
+    def quiet_for(self, seconds: float, now: float) -> bool:
+        """Nothing of ours sent to this server, and no answer of it ended, within the last
+        `seconds` (`now` and both marks on the router's clock)."""
+        ends = [seen.at for seen in self.last_seen.values()]
+        return now - max([self.launched_at, *ends]) >= seconds
+
     def answered_within(self, seconds: float) -> bool:
         return time.monotonic() - self.answered_at < seconds
 

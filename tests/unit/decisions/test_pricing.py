@@ -74,8 +74,20 @@ def test_a_save_that_would_stall_another_stream_past_the_budget_waits():
     assert not pricing.save_now(predicted_stall=2.0, others_generating=True, budget=0.5)
 
 
-def test_a_save_runs_when_no_other_slot_generates_whatever_it_costs():
+def test_a_save_runs_when_the_server_is_quiet_whatever_it_costs():
     assert pricing.save_now(predicted_stall=60.0, others_generating=False, budget=0.5)
+    # nothing generating, but a request was sent or answered just now: the next turn is near
+    assert not pricing.save_now(predicted_stall=4.0, others_generating=False, budget=0.5,
+                                quiet=False)
+
+
+def test_a_long_save_never_holds_an_answers_end():
+    # the growth save after an answer: measured on mixed-agents at the bench's cap, 4.1 s
+    # between a 5,880-token answer's last token and its end
+    assert not pricing.save_now(predicted_stall=4.0, others_generating=False, budget=0.5,
+                                holds_answer=True)
+    assert pricing.save_now(predicted_stall=0.2, others_generating=False, budget=0.5,
+                            holds_answer=True)
 
 
 def test_a_save_within_the_budget_runs_beside_other_streams():

@@ -94,50 +94,15 @@ def test_a_model_that_missed_first_is_trusted_only_after_a_hit():
     assert ram.confirm(100, 100) and ram.confirmed
 
 
-@pytest.mark.parametrize(("entry", "kept", "snapshot", "pays"), [
-    (900, 725, 0, True),  # the conversation back, where the slot keeps the system prompt
-    (900, 725, 900, True),  # as much as the snapshot: RAM spares the disk read
-    (900, 725, 1000, False),  # the snapshot holds more
-    (780, 725, 0, False),  # 55 tokens more than the slot keeps: not worth the extra call
-    (900, 0, 0, True),  # nothing known of what the slot keeps
+@pytest.mark.parametrize(("entry", "kept", "snapshot", "restore", "pays"), [
+    (900, 725, 0, 0.0, True),  # the conversation back, where the slot keeps the system prompt
+    (580, 516, 539, 0.0, True),  # 41 tokens beyond a stale snapshot (the persistence test)
+    (540, 516, 539, 1.0, False),  # one token more than the snapshot, its restore ~free
+    (900, 725, 900, 40.0, True),  # as much as the snapshot: RAM spares its slow read
+    (900, 725, 1000, 0.0, False),  # the snapshot holds more
+    (735, 725, 0, 0.0, False),  # 10 tokens more than the slot keeps: not worth the call
+    (900, 0, 0, 0.0, True),  # nothing known of what the slot keeps
 ])
 def test_a_hand_back_pays_when_ram_gives_back_more_than_slot_and_disk(entry, kept, snapshot,
-                                                                      pays):
-    assert hand_back_pays(entry, kept, snapshot) is pays
-
-
-def test_forget_empties_the_model():
-    ram = RamModel()
-    ram.park("a", 10, 1)
-    ram.forget()
-    assert ram.holds("a") is None and ram.as_dict()["entries"] == 0
-
-
-def test_handovers_of_several_slots_park_and_read_the_model_at_once():
-    """One model per server, used by every slot's handover in its own worker thread: a park
-    while another thread sums the entries must not raise (it did without the model's lock:
-    "OrderedDict mutated during iteration")."""
-    model = RamModel(limit_bytes=50_000)
-    errors: list[BaseException] = []
-
-    def churn(tag: str) -> None:
-        try:
-            for i in range(3000):
-                model.park(f"{tag}-{i}", 100, 1000.0)
-                model.as_dict()
-                model.take(f"{tag}-{i - 7}")
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible: the race shows at once
-    try:
-        threads = [threading.Thread(target=churn, args=(str(n),)) for n in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    finally:
-        sys.setswitchinterval(old)
-    assert not errors, errors[:3]
-    assert model.as_dict()["bytes"] <= 50_000
+                                                                      restore, pays):
+    assert hand_back_pays(entry, kept, snapshot, restore) is pays
