@@ -125,7 +125,7 @@ class Handover:
         if restored:
             return RESTORED, restored
         fork = ident.rule == "content"
-        restored = self._parents_prefix(url, info, ident, slot, notes) if fork else 0
+        restored = self._parents_prefix(url, info, ident, slot, notes, resident) if fork else 0
         if restored:
             return PREFIXED, restored
         if ident.seed_key is not None:
@@ -135,10 +135,11 @@ class Handover:
             if restored:
                 return SEEDED, restored
         return (ASSIGNED, 0) if fork else self._from_parent(url, info, ident, slot, in_slot,
-                                                            notes)
+                                                            notes, resident)
 
     def _from_parent(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
-                     in_slot: str | None, notes: list[str]) -> tuple[str, int]:
+                     in_slot: str | None, notes: list[str],
+                     resident: int = 0) -> tuple[str, int]:
         """A header session's parent shares the system block with it (the seed, tried
         first, holds just that): its KV left in place when the slot held it (`in_slot`: the
         owner the slot had), else its snapshot, else its KV saved now from its own slot."""
@@ -148,23 +149,23 @@ class Handover:
         if prefix.session == in_slot and not self.erase_on_handover:
             notes.append(f"{in_slot}'s KV left in the slot as its prefix")
             return ASSIGNED, 0
-        restored = self._parents_prefix(url, info, ident, slot, notes)
+        restored = self._parents_prefix(url, info, ident, slot, notes, resident)
         return (PREFIXED, restored) if restored else (ASSIGNED, 0)
 
     def _parents_prefix(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
-                        notes: list[str]) -> int:
+                        notes: list[str], resident: int = 0) -> int:
         """The parent's snapshot restored as the session's prefix; when the parent is young
         (its slot newer than its snapshot), saved from its slot first: a copy, the parent
         keeps its slot. What llama-server alone does on a new conversation, reusing the
         prefix another slot holds (issue #32: a content fork of a young parent started cold
         where the server reused 507 tokens)."""
-        restored = self._restore_prefix(info, ident, slot, notes)
-        if not restored and self._save_resident_parent(url, info, ident, notes):
-            restored = self._restore_prefix(info, ident, slot, notes)
+        restored = self._restore_prefix(info, ident, slot, notes, resident)
+        if not restored and self._save_resident_parent(url, info, ident, notes, resident):
+            restored = self._restore_prefix(info, ident, slot, notes, resident)
         return restored
 
     def _save_resident_parent(self, url: str, info: UpstreamInfo, ident: Identity,
-                              notes: list[str]) -> bool:
+                              notes: list[str], resident: int = 0) -> bool:
         """The parent's KV is on its own slot here and newer than its snapshot (the second
         conversation of a system prompt, while the first is young): save it now, if the
         server will reuse it after a restore and the parent's slot is idle (never waited
@@ -184,7 +185,11 @@ class Handover:
         useful = 0 if on_disk >= tokens else policy.prefix_restore_tokens(
             prefix, snapshot_tokens=tokens,
             snapshot_messages=info.messages_of(prefix.session, rec.messages))
-        if not useful or not pricing.copy_pays(info.client.costs.rates(), tokens, useful):
+        # what the slot holds of the request already (a shared system prompt) the copy
+        # would not add: six-agents once copied a parent for 2 tokens beyond it (1 s at the
+        # bench's cap)
+        if useful <= resident or not pricing.copy_pays(info.client.costs.rates(), tokens,
+                                                       useful - resident):
             return False
         lease = self.locks.try_acquire(url, slot, exclusive=True)
         if lease is None:
@@ -200,7 +205,7 @@ class Handover:
         return saved
 
     def _restore_prefix(self, info: UpstreamInfo, ident: Identity, slot: int,
-                        notes: list[str]) -> int:
+                        notes: list[str], resident: int = 0) -> int:
         """A new conversation (a fork) starts from its parent's snapshot when the server will
         reuse it (policy.prefix_restore_tokens); the tokens it should reuse, 0 otherwise. The
         parent's snapshot stays the parent's: a fork's low reuse is never its miss."""
@@ -217,7 +222,7 @@ class Handover:
             return 0
         restored = snapshots.restore(info.client, info.props, slot, prefix.session,
                                      meta.n_messages, notes, what=f"{prefix.session}'s prefix",
-                                     useful_tokens=expected)
+                                     useful_tokens=expected, resident_tokens=resident)
         if not restored:
             return 0
         notes.append(f"started from {prefix.session}'s prefix (~{expected:,} of "
