@@ -813,8 +813,10 @@ def test_four_proxies_one_server_never_mix_sessions(make_llama, make_proxy, slot
                                                    reliability):
     server = make_llama(np=4, ctx=8192, slot_save_path=slot_dir)
     state = tmp_path / "shared-state.json"
+    # every session saved on its way out (not left to the server's RAM cache): the saved
+    # files are what this test checks
     options = {"slotkeeper_state_file": str(state), "slotkeeper_slot_dir": str(slot_dir),
-               **SAVE_FAST}
+               **SAVE_FAST, "slotkeeper_upstream_cache_ram_mb": 0}
     proxies = [make_proxy(server, **options) for _ in range(4)]
     sessions = [Session(f"mix-{i}", system=long_system_prompt(60, seed=200 + i))
                 for i in range(8)]  # 8 sessions on 4 slots, each with its own system prompt

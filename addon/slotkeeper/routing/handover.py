@@ -248,9 +248,15 @@ class Handover:
         rec = current.slots.get(slot) if current else None
         if rec is None or rec.stale or rec.owner == session:
             return ""
-        saved = save and self.saves.save_if_worth(url, info, slot, rec, live_tokens)
-        if info.published(rec.owner):  # the server copied it to RAM while it sat idle
+        published = info.published(rec.owner)  # the server copied it to RAM while idle
+        # left there, as a handover leaves it: a side request must not wait for a save
+        left = published and self.ram.keeps(info, rec, live_tokens)
+        saved = save and not left and self.saves.save_if_worth(url, info, slot, rec,
+                                                               live_tokens)
+        if published:
             self.ram.park(info, rec, live_tokens)
         metrics.eviction("side", saved)
         self.saves.mark_stale(url, slot, rec.owner)
-        return f"{rec.owner} will be restored" if saved else f"displaced {rec.owner}"
+        if saved:
+            return f"{rec.owner} will be restored"
+        return f"{rec.owner} left to the server's RAM cache" if left else f"displaced {rec.owner}"

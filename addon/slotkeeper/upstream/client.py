@@ -57,9 +57,10 @@ UPSTREAM_KEY_ENV = "SLOTKEEPER_UPSTREAM_API_KEY"
 SLOT_CALL_BASE_S = 5.0
 SLOT_IO_FLOOR_BYTES_PER_S = 50 * 1024 * 1024
 BATCH_TOKENS = 2048
-# The prompt of a hand-back (Upstream.hand_back): any text that shares at most the BOS token
-# with a chat prompt, so that the server takes it as a different conversation.
-HAND_BACK_PROMPT = "slotkeeper: this slot changes hands"
+# The prompt of a hand-back (Upstream.hand_back): one token that no chat template starts
+# with, so that it shares at most the BOS token with any prompt and the server takes it as
+# another conversation; short, as the server evaluates it.
+HAND_BACK_PROMPT = "\n"
 
 
 def slot_call_timeout(nbytes: int, io_bytes_per_s: float | None = None,
