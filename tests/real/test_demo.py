@@ -90,8 +90,9 @@ def test_demo_runs_sessions_through_slotkeeper_beside_direct(llama_bin: Path, mo
                                    {"assigned", "seeded", "restored"}), first
         assert first["slot"] in {"0", "1"}, first
         # Three sessions on two slots: each came back after another had its slot, and its
-        # whole previous prompt came back from disk: the server reused all of it.
-        assert second["action"] == "restored", second
+        # whole previous prompt came back, from disk or from the server's RAM cache (the slot
+        # handed back): the server reused all of it.
+        assert second["action"] in ("restored", "assigned"), second
         assert second["reused"] >= first["reused"] + first["prefilled"], (first, second)
         # Sent direct, the session's own file is computed again: 300+ tokens.
         assert second["d_prefilled"] > second["prefilled"] + 200, second

@@ -293,6 +293,10 @@ def test_a_save_behind_another_slots_long_prefill_waits_and_the_server_stays_tru
     proxy = make_proxy(server, slotkeeper_slot_dir=str(slot_dir), **SAVE_FAST)
     b = Session("busy-b", system=long_system_prompt(250, seed=3))
     assert b.ask(proxy.url, "Name a prime.").status == 200  # measures the prefill speed too
+    # b's first idle save, on a quiet server, measures the save speed: a save of unmeasured
+    # cost never runs while another slot computes (it may take seconds)
+    wait_saved(slot_dir, b.sid, timeout=60)
+    assert b.ask(proxy.url, "And another?").status == 200
     a = Session("busy-a", system=long_system_prompt(3000, seed=4))  # ~4,000 tokens
     answers: list[Answer] = []
     started = time.time()

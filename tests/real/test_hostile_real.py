@@ -38,8 +38,9 @@ LIMIT = 1024 * 1024  # slotkeeper_max_body_mb=1 for this module
 @pytest.fixture(scope="module")
 def proxy(llama: LlamaServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     """One mitmdump for the module, in front of the shared llama-server and its slot folder.
-    Every session is saved a second after its request (min_save_tokens 0), so hostile ids do
-    reach the slot folder."""
+    Every session is saved a second after its request (min_save_tokens 0), or on its way out
+    of its slot (not left to the server's RAM cache), so hostile ids do reach the slot
+    folder."""
     work = tmp_path_factory.mktemp("hostile")
     proxy = Proxy(llama.url, work, options={
         "slotkeeper_slot_dir": str(llama.slot_save_path),
@@ -48,6 +49,7 @@ def proxy(llama: LlamaServer, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "slotkeeper_idle_save_seconds": 1,
         "slotkeeper_small_request_chars": 0,
         "slotkeeper_max_seeds": 0,
+        "slotkeeper_upstream_cache_ram_mb": 0,
     }).start()
     yield proxy
     proxy.stop()
