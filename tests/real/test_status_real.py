@@ -51,8 +51,11 @@ def slots_of(report: dict[str, Any], url: str) -> dict[int, dict[str, Any]]:
 def test_status_of_a_running_then_stopped_proxy(make_llama, make_proxy, tmp_path):
     slots = tmp_path / "slots"
     server = make_llama(np=2, ctx=8192, slot_save_path=slots)
+    # slotkeeper told the server keeps no RAM cache: an evicted session is saved on its way
+    # out, not left to that cache
     proxy = make_proxy(server, slotkeeper_small_request_chars=0, slotkeeper_slot_dir=str(slots),
-                       slotkeeper_max_seeds=0, slotkeeper_idle_save_seconds=0)
+                       slotkeeper_max_seeds=0, slotkeeper_idle_save_seconds=0,
+                       slotkeeper_upstream_cache_ram_mb=0)
     chats = {name: [{"role": "system", "content": long_system_prompt(300, seed=i)},
                     {"role": "user", "content": "hi"}] for i, name in enumerate("abc")}
     last = {name: ask(proxy.url, name, chats[name]) for name in "abc"}  # c evicts a (saved)

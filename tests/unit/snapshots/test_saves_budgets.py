@@ -49,4 +49,7 @@ def test_a_save_past_the_hours_write_budget_is_skipped():
 
 
 def test_unknown_speeds_run_it_now_to_measure_them():
-    assert saves().when(info(Rates(), other_slot_busy=True), 0, "s", 2_000) == NOW
+    assert saves().when(info(Rates(), other_slot_busy=False), 0, "s", 2_000) == NOW
+    # but not while another slot streams: it may take seconds (a first save of 5,880 tokens
+    # stopped a stream 3.8 s at the GPU bench's cap)
+    assert saves().when(info(Rates(), other_slot_busy=True), 0, "s", 2_000) == LATER
