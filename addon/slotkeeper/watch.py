@@ -90,8 +90,8 @@ class HealthWatcher:
 
 class IdleSaves:
     """One timer per session, not per request: it fires `seconds` after the session's last
-    request ended (re-arming itself while requests keep coming), then asks the router's
-    accounting to save what the session grew."""
+    request ended (re-arming itself while requests keep coming), then asks the router to save
+    what the session grew (and take a seed its answer left waiting)."""
 
     def __init__(self, router: Callable[[], object], executor: Executor) -> None:
         self._router = router
@@ -124,7 +124,7 @@ class IdleSaves:
               ended: float) -> None:
         """On a worker. A save put off (another slot generating, the stall over its budget)
         is tried again an idle period later, unless the session came back meanwhile."""
-        if _logged(router.accounting.save_if_idle, key[0], key[1], ended) is None:
+        if _logged(router.when_idle, key[0], key[1], ended) is None:
             loop.call_soon_threadsafe(self._again, key, ended)
 
     def _again(self, key: tuple[str, str], ended: float) -> None:

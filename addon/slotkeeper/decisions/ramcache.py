@@ -37,6 +37,10 @@ MAX_DISTRUST = 64
 # A hand-back (routing/ramhandover.py) costs one small completion: 31-59 ms on the test bed,
 # the prefill of ~16 of its tokens. It is sent only when it gives back at least that much.
 HAND_BACK_MIN_GAIN = 16
+# A new conversation loads its parent's entry only if the parent keeps at least this share of
+# itself in the load (the server's LOAD_MIN_KEEP, plus a margin for the parent's reply, which
+# the estimate from characters does not see).
+PREFIX_MIN_KEEP = LOAD_MIN_KEEP + 0.1
 
 
 def server_swaps(slot_tokens: int, shared_tokens: int, new_tokens: int,
@@ -67,6 +71,21 @@ def hand_back_pays(entry_tokens: int, kept_tokens: int, snapshot_tokens: int,
     return entry_tokens - base + spared >= HAND_BACK_MIN_GAIN
 
 
+def prefix_load_pays(shared_tokens: int, donor_tokens: int, seed_tokens: int) -> bool:
+    """Start a new conversation from its idle parent's entry in the server's RAM cache
+    (routing/ramhandover.py, `prefix_from_ram`) rather than from the disk: the parent's copy
+    there shares `shared_tokens` of the `donor_tokens` it holds, a seed of the system prompt
+    `seed_tokens` (0: none). Yes when the server will load it (the parent keeps a large enough
+    share of itself: load's "don't trash" rule), it gives back at least HAND_BACK_MIN_GAIN
+    tokens and no fewer than the seed's restore would, less that margin: a load in host memory
+    beats a read from the disk of the same tokens on every profile."""
+    if donor_tokens <= 0 or shared_tokens < HAND_BACK_MIN_GAIN:
+        return False
+    if shared_tokens / donor_tokens < PREFIX_MIN_KEEP:
+        return False
+    return shared_tokens + HAND_BACK_MIN_GAIN >= seed_tokens
+
+
 def shared_estimate(outgoing_system: str | None, incoming_system: str | None,
                     outgoing_is_parent: bool) -> int | None:
     """Tokens the slot's session (outgoing) and the incoming request share at the start, as
@@ -84,6 +103,7 @@ class Entry:
     session: str
     tokens: int
     nbytes: float
+    system_key: str = ""  # its system prompt's key ("" unknown)
 
 
 class RamModel:
@@ -138,17 +158,28 @@ class RamModel:
             others = sum(e.nbytes for e in self._entries.values() if e.session != session)
             return others + nbytes <= self.limit_bytes
 
-    def park(self, session: str, tokens: int, nbytes: float | None) -> None:
+    def park(self, session: str, tokens: int, nbytes: float | None,
+             system_key: str = "") -> None:
         """The server parked the slot's prompt (a swap): newest entry; the oldest leave while
         the total passes the limit. An entry of unknown or over-limit size is not parked."""
         with self._lock:
             self._entries.pop(session, None)
             if tokens <= 0 or not self.fits(nbytes):
                 return
-            self._entries[session] = Entry(session, tokens, float(nbytes or 0.0))
+            self._entries[session] = Entry(session, tokens, float(nbytes or 0.0), system_key)
             if self.limit_bytes > 0:
                 while sum(e.nbytes for e in self._entries.values()) > self.limit_bytes:
                     self._entries.popitem(last=False)
+
+    def only_copy_of(self, system_key: str, resident: set[str]) -> str | None:
+        """A session parked here with this system prompt (or an unknown one) that no slot
+        holds: the cache may be its only copy. A new conversation's load takes the oldest
+        entry sharing its opening out of the cache, so with such an entry there it could take
+        that one instead of its idle parent's. None when there is none."""
+        with self._lock:
+            return next((e.session for e in self._entries.values()
+                         if e.session not in resident
+                         and (not e.system_key or e.system_key == system_key)), None)
 
     def take(self, session: str) -> Entry | None:
         """The server loaded the session's entry into a slot: it leaves the cache."""

@@ -260,12 +260,17 @@ class Accounting:
         slot = resident_slot(self.state.read(), url, session)
         if slot is not None and self._grown(url, slot, seen.tokens):
             when = self.saves.when(info, slot, session, seen.tokens,
-                                   quiet=info.quiet_for(QUIET_SECONDS, self.clock()))
+                                   quiet=self.quiet(url))
             if when == LATER:
                 return None
             if when == NOT_THIS_HOUR:
                 return False
         return self._save_resident(url, info, session, seen.tokens, lock_timeout=0)
+
+    def quiet(self, url: str) -> bool:
+        """Nothing sent to the server or answered by it for QUIET_SECONDS."""
+        info = self.upstreams.peek(url)
+        return info is not None and info.quiet_for(QUIET_SECONDS, self.clock())
 
     def _grown(self, url: str, slot: int, tokens: int) -> bool:
         """The slot holds more than its snapshot (else there is nothing to save, or wait for)."""

@@ -5,13 +5,17 @@ requests are never slower or costlier than llama-server alone. Blocking: worker 
 - what each conversation request tells habits (`began`: seen, and ended on release);
 - seeds taken *after* an answer, under the route's exclusive lease, never on its path
   (`after`): save the session, cut the slot to the system prefix, save the seed, restore the
-  session. docs/DESIGN.md, "First turns and one-off requests"."""
+  session. docs/DESIGN.md, "First turns and one-off requests". On a server whose RAM cache
+  slotkeeper trusts, the seed waits for a quiet server instead (`seed_if_idle`): new
+  conversations load their idle parent from that cache meanwhile (routing/ramhandover.py)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from ..identity.habits import Habits
 from ..identity.identity import Identity
@@ -19,28 +23,42 @@ from ..observe import metrics
 from ..snapshots.saves import Saves
 from ..snapshots.seeds import SeedBuilder
 from ..snapshots.snapshots import Snapshots, seed_id
+from ..store.locks import SlotLocks
 from ..store.state import StateDoc, StateFile
-from ..upstream.registry import Upstreams
+from ..upstream.registry import UpstreamInfo, Upstreams
 from ..wire.bodies import Timings
 from .routes import ASSIGNED, OWNING, RESTORED, Route
 
 log = logging.getLogger("slotkeeper")
 
 
+@dataclass(frozen=True)
+class PendingSeed:
+    """A seed an answer left for a quiet server: the slot the session held, its system
+    prompt's key, the request it can be cut from, the session's messages."""
+
+    slot: int
+    key: str
+    source: tuple[str, dict[str, Any]]
+    messages: int
+
+
 class FirstTurns:
     """Owns: the habits memory, one-offs' leftovers, seeds taken afterwards. Does not touch:
     which slot a request gets (the walk), leases (the route holds one)."""
 
-    def __init__(self, state: StateFile, upstreams: Upstreams, saves: Saves,
+    def __init__(self, state: StateFile, locks: SlotLocks, upstreams: Upstreams, saves: Saves,
                  snapshots: Snapshots | None, seeds: SeedBuilder | None,
                  seed_min_chars: int) -> None:
         self.state = state
+        self.locks = locks
         self.upstreams = upstreams
         self.saves = saves
         self.snapshots = snapshots
         self.seeds = seeds
         self.seed_min_chars = seed_min_chars
         self.habits = Habits()
+        self.pending: dict[tuple[str, str], PendingSeed] = {}  # (server, session)
 
     # ---- before: one-offs ----------------------------------------------------------------------
 
@@ -107,19 +125,55 @@ class FirstTurns:
                 or not self.habits.seed_wanted(key, ending=talk_of(route.rule, route.session))
                 or not self.seeds.wants(props, key)):
             return
-        up = self.state.read().upstreams.get(route.upstream)
-        rec = up.slots.get(route.slot) if up is not None else None
-        tokens = timings.prompt_tokens + max(timings.predicted_n - 1, 0)
-        if (rec is None or rec.owner != route.session or rec.stale
-                or not self.saves.save_if_worth(route.upstream, info, route.slot, rec, tokens)):
-            return  # the session's KV could not be kept: never cut it
+        pending = PendingSeed(route.slot, key, source, route.messages)
+        if info.ram.confirmed:
+            # its save, cut and restore would hold the answer's end and stall every slot
+            # (six-agents: 1.36 s at the bench's cap), while the RAM cache serves the next
+            # conversations from an idle parent: it waits for a quiet server
+            self.pending[(route.upstream, route.session)] = pending
+            return
+        self._take(route.upstream, info, route.session, pending,
+                   timings.prompt_tokens + max(timings.predicted_n - 1, 0))
+
+    def seed_if_idle(self, url: str, session: str, quiet: bool) -> bool | None:
+        """The idle period after the session's request: take the seed its answer left
+        waiting, on a quiet server. None: not now (busy, or the slot's lease is taken)."""
+        pending = self.pending.get((url, session))
+        if pending is None:
+            return False
+        info = self.upstreams.peek(url)
+        if (info is None or info.props is None or self.seeds is None
+                or not self.seeds.wants(info.props, pending.key)):
+            self.pending.pop((url, session), None)
+            return False
+        if not quiet:
+            return None
+        lease = self.locks.try_acquire(url, pending.slot, exclusive=True)
+        if lease is None:
+            return None
+        self.pending.pop((url, session), None)
+        seen = info.last_seen.get(session)
+        with lease:
+            return self._take(url, info, session, pending, seen.tokens if seen else 0)
+
+    def _take(self, url: str, info: UpstreamInfo, session: str, pending: PendingSeed,
+              tokens: int) -> bool:
+        """Under the slot's exclusive lease: save the session, take the seed from its slot,
+        restore it. Never cuts a slot whose session could not be kept."""
+        up = self.state.read().upstreams.get(url)
+        rec = up.slots.get(pending.slot) if up is not None else None
+        if (rec is None or rec.owner != session or rec.stale or self.seeds is None
+                or info.props is None
+                or not self.saves.save_if_worth(url, info, pending.slot, rec, tokens)):
+            return False  # the session's KV could not be kept: never cut it
         started = time.monotonic()
-        taken = self.seeds.take_afterwards(info.client, props, route.slot, key, *source,
-                                           route.session, route.messages)
+        taken = self.seeds.take_afterwards(info.client, info.props, pending.slot, pending.key,
+                                           *pending.source, session, pending.messages)
         if taken.seed_tokens:  # tokens the server prefilled for it: 1 when it cut the slot
             metrics.seed_built(taken.evaluated, time.monotonic() - started)
         if taken.restored == 0:
-            self.saves.mark_stale(route.upstream, route.slot, route.session)
+            self.saves.mark_stale(url, pending.slot, session)
+        return bool(taken.seed_tokens)
 
 
 def talk_of(rule: str, session: str) -> str:

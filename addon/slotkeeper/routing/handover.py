@@ -44,13 +44,14 @@ class Handover:
 
     def hand_over(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
                   lease: SlotLease, previous: SlotRecord | None, live_tokens: int,
-                  path: str, body: dict | None) -> Route:
-        """Under the exclusive slot lock: save the outgoing session, then restore the incoming
-        one's snapshot if it can work, else its system prompt's seed, else start clean."""
+                  path: str, body: dict | None, idle_slots: frozenset[int] = frozenset()
+                  ) -> Route:
+        """Under the exclusive slot lock: through the server's RAM cache when it can, else
+        save the outgoing session, then restore the incoming one's snapshot if it can work,
+        else its system prompt's seed, else start clean."""
         session = ident.session_id
         notes: list[str] = []
-        if info.client.slot_actions_disabled:
-            # No --slot-save-path: pinning still works, KV is neither saved nor restored.
+        if info.client.slot_actions_disabled:  # no --slot-save-path: pinning still works
             self.saves.mark_fresh(url, slot, session, 0)
             return Route(url, session, ident.rule, slot, ASSIGNED, lease=lease,
                          detail="server has no --slot-save-path")
@@ -59,8 +60,9 @@ class Handover:
         if entry is not None and previous is not None:
             return self.ram.from_ram(url, info, ident, slot, lease, previous, live_tokens, entry)
         resident = self._resident(ident, previous)
-        handed_back = None if swaps else self.ram.hand_back(
-            url, info, ident, slot, lease, previous, live_tokens, resident)
+        handed_back = None if swaps else self._handed_back(url, info, ident, slot, lease,
+                                                           previous, live_tokens, resident,
+                                                           idle_slots)
         if handed_back is not None:
             return handed_back
         leaving = previous is not None and previous.owner != session and not previous.stale
@@ -100,6 +102,17 @@ class Handover:
         return Route(url, session, ident.rule, slot,
                      RESTORED if action == PREFIXED else action, detail="; ".join(notes),
                      lease=lease, restored_tokens=restored, prefix_from=prefix_from)
+
+    def _handed_back(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
+                     lease: SlotLease, previous: SlotRecord | None, live_tokens: int,
+                     resident: int, idle_slots: frozenset[int]) -> Route | None:
+        """Through the server's RAM cache: a returning session it holds, or a new one whose
+        parent sits idle in another slot (`idle_slots`: live /slots). None: the disk's way."""
+        return (self.ram.hand_back(url, info, ident, slot, lease, previous, live_tokens,
+                                   resident)
+                or self.ram.prefix_from_ram(url, info, ident, slot, lease, previous,
+                                            live_tokens, self.state.read().upstreams.get(url),
+                                            idle_slots))
 
     def _resident(self, ident: Identity, previous: SlotRecord | None) -> int:
         """Tokens the slot already holds of the request, that the server keeps without any

@@ -75,8 +75,8 @@ class Router:
                          self.saves)
         self.handover = Handover(state, locks, self.saves, self.snapshots,
                                 config.erase_on_handover)
-        self.first_turns = FirstTurns(state, self.upstreams, self.saves, self.snapshots, seeds,
-                                      config.seed_min_chars)
+        self.first_turns = FirstTurns(state, locks, self.upstreams, self.saves, self.snapshots,
+                                      seeds, config.seed_min_chars)
         self.walk = Walk(config, state, locks, clock, self.upstreams, self.sessions,
                          self.handover, self.saves, self.pool.placeable,
                          self.first_turns.one_off)
@@ -221,6 +221,16 @@ class Router:
             return verdict
         finally:
             route.release()
+
+    def when_idle(self, url: str, session: str, ended: float) -> bool | None:
+        """A few seconds after the session's request ended (watch.IdleSaves): save what it
+        grew, then take the seed its answer left waiting (firstturns), each only when it may
+        run now. None: not now, again an idle period later."""
+        saved = self.accounting.save_if_idle(url, session, ended)
+        if saved is None:
+            return None
+        seeded = self.first_turns.seed_if_idle(url, session, self.accounting.quiet(url))
+        return None if seeded is None else saved
 
     def finish_quick(self, route: Route, timings: Timings | None) -> str | None:
         """`finish` on the event loop when nothing is due (accounting.settle_quick); None:

@@ -135,3 +135,8 @@ def resident_slot(doc: StateDoc, url: str, session: str) -> int | None:
 def tokens_in(slots, slot: int) -> int:
     """A slot's cached tokens in a /slots answer (0 when it is not listed)."""
     return next((s.n_tokens for s in slots if s.id == slot), 0)
+
+
+def idle_in(slots) -> frozenset[int]:
+    """The slots a /slots answer shows idle and holding something."""
+    return frozenset(s.id for s in slots if not s.is_processing and s.n_tokens > 0)

@@ -31,6 +31,7 @@ from .routes import (
     ClaimedElsewhere,
     Route,
     RouterConfig,
+    idle_in,
     resident_slot,
     tokens_in,
 )
@@ -201,7 +202,8 @@ class Walk:
                 route = self.handover.hand_over(url, info, ident, slot, lease,
                                                 previous=claimed[0],
                                                 live_tokens=tokens_in(slots, slot),
-                                                path=path, body=body)
+                                                path=path, body=body,
+                                                idle_slots=idle_in(slots))
                 if move:
                     route.detail = "; ".join(filter(None, [
                         "moved off the slot running the session's other request", route.detail]))
