@@ -196,8 +196,9 @@ class RamHandover:
             metrics.eviction("session", saved)
         self.saves.mark_fresh(url, slot, session, shared, kept_on_disk=False)
         return Route(url, session, ident.rule, slot, ASSIGNED, lease=lease,
-                     detail=f"slot {slot} handed back: ~{shared:,} tokens of {prefix.session}'s "
-                            f"prefix expected from the server's RAM cache", ram_tokens=shared)
+                     detail=f"slot {slot} handed back to the server's RAM cache: ~{shared:,} "
+                            f"tokens of {prefix.session}'s prefix expected from it",
+                     ram_tokens=shared)
 
     def _hand_back(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
                    lease: SlotLease, previous: SlotRecord | None, live_tokens: int,

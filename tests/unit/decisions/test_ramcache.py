@@ -13,6 +13,7 @@ from slotkeeper.decisions.ramcache import (
     MAX_DISTRUST,
     RamModel,
     hand_back_pays,
+    prefix_load_pays,
     server_swaps,
     shared_estimate,
 )
@@ -106,3 +107,29 @@ def test_a_model_that_missed_first_is_trusted_only_after_a_hit():
 def test_a_hand_back_pays_when_ram_gives_back_more_than_slot_and_disk(entry, kept, snapshot,
                                                                       restore, pays):
     assert hand_back_pays(entry, kept, snapshot, restore) is pays
+
+
+@pytest.mark.parametrize(("shared", "donor", "seed", "pays"), [
+    (612, 731, 0, True),  # six-agents' second conversation: the parent keeps 84% of itself
+    (612, 731, 610, True),  # a seed of the same prompt would read it from the disk
+    (612, 731, 700, False),  # the seed holds more than the parent shares
+    (612, 3000, 0, False),  # the parent keeps 20%: the server's "don't trash" skips it
+    (10, 12, 0, False),  # too little to pay for the hand-back call
+    (0, 0, 0, False),
+])
+def test_a_prefix_load_pays_when_the_server_will_load_it_and_it_beats_the_seed(shared, donor,
+                                                                               seed, pays):
+    assert prefix_load_pays(shared, donor, seed) is pays
+
+
+def test_only_copy_of_names_a_parked_session_of_the_prompt_that_no_slot_holds():
+    ram = RamModel(limit_bytes=10_000)
+    ram.park("a", 10, 100, "sys1")
+    ram.park("b", 10, 100, "sys2")
+    assert ram.only_copy_of("sys1", resident={"x"}) == "a"
+    assert ram.only_copy_of("sys1", resident={"a"}) is None  # a slot holds it too
+    assert ram.only_copy_of("sys3", resident=set()) is None
+    ram.park("c", 10, 100)  # its prompt unknown: could share the opening
+    assert ram.only_copy_of("sys3", resident=set()) == "c"
+    ram.take("c")
+    assert ram.only_copy_of("sys3", resident=set()) is None
