@@ -286,6 +286,7 @@ def router_config(opts, upstreams: tuple[str, ...]) -> RouterConfig:
         write_budget=opts.slotkeeper_write_budget_mb_per_hour * 2**20,
         seed_min_chars=opts.slotkeeper_seed_min_chars,
         max_seeds=opts.slotkeeper_max_seeds,
+        idle_work=opts.slotkeeper_idle_save_seconds > 0,
         upstreams=upstreams,
         placement=opts.slotkeeper_placement,
         api_key=upstream_key_of(opts),

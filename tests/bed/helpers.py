@@ -81,3 +81,10 @@ def interleave(conversations: list[Conversation], url: str, turns: int) -> None:
     for k in range(turns):
         for conversation in conversations:
             conversation.ask(url, f"(session {conversation.session}) {QUESTIONS[k]}")
+
+
+def started_from_ram(log: str, session: str) -> bool:
+    """Does the proxy's log show the session's request handed its slot back to the server's
+    RAM cache to start from its idle parent's prefix there (routing/ramhandover.py)?"""
+    return any(session in line and "prefix expected from it" in line
+               for line in log.splitlines())

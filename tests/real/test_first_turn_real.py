@@ -129,8 +129,11 @@ def test_a_first_turn_gets_its_headers_at_once_and_the_seed_comes_afterwards(
     reuses it in place); the seed is taken after the second conversation's answer, and a
     third conversation starts from it."""
     slots = tmp_path / "slots"
-    server = make_llama(np=3, ctx=3 * 4096, slot_save_path=slots)
-    proxy = make_proxy(server, slotkeeper_slot_dir=str(slots), slotkeeper_idle_save_seconds=0)
+    # the disk's way: a server whose RAM cache cannot hold its slots (a large model's); with
+    # one, b starts from a's copy there (test_ram_cache_real.py)
+    server = make_llama(np=3, ctx=3 * 4096, slot_save_path=slots, extra=["--cache-ram", "0"])
+    proxy = make_proxy(server, slotkeeper_slot_dir=str(slots), slotkeeper_idle_save_seconds=0,
+                       slotkeeper_upstream_cache_ram_mb=0)
     system_tokens = len(requests.post(server.url + "/tokenize", timeout=60, json={
         "content": render_prefix(server.url, SYSTEM), "parse_special": True}).json()["tokens"])
     chats = {name: Conversation(f"first-{name}", SYSTEM) for name in "ab"}

@@ -195,8 +195,9 @@ def test_fallbacks_are_counted(make_llama, make_proxy):
 
 def test_seed_builds_are_counted(make_llama, make_proxy, tmp_path):
     slots = tmp_path / "slots"
-    server = make_llama(slot_save_path=slots)
-    proxy = make_proxy(server, slotkeeper_slot_dir=str(slots), slotkeeper_idle_save_seconds=0)
+    server = make_llama(slot_save_path=slots, extra=["--cache-ram", "0"])  # the disk's way
+    proxy = make_proxy(server, slotkeeper_slot_dir=str(slots), slotkeeper_idle_save_seconds=0,
+                       slotkeeper_upstream_cache_ram_mb=0)
     system = long_system_prompt(600, seed=4)
     first = Chat("s1", system)
     first.ask(proxy.url, "hi")

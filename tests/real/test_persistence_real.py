@@ -8,7 +8,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import requests
-from helpers import Conversation, interleave
+from helpers import Conversation, interleave, started_from_ram
 from testbed import long_system_prompt
 
 from slotkeeper.snapshots.paths import file_name_for
@@ -55,9 +55,9 @@ def wait_for_saves(slot_dir: Path, sessions: list[Conversation], timeout: float 
 
 
 def test_six_sessions_on_four_slots(make_llama, make_proxy, tmp_path):
-    """More sessions than slots, turns interleaved: every handover saves the outgoing session
-    and restores the incoming one, so prefilled tokens stay within 1.1x of the tokens no
-    earlier prompt started with."""
+    """More sessions than slots, turns interleaved: every handover keeps the outgoing
+    session (on disk or in the server's RAM cache) and brings the incoming one back, so
+    prefilled tokens stay within 1.1x of the tokens no earlier prompt started with."""
     server = make_llama(slot_save_path=tmp_path / "slots")
     proxy = make_proxy(server, slotkeeper_slot_dir=str(tmp_path / "slots"),
                        slotkeeper_small_request_chars=0, slotkeeper_idle_save_seconds=0)
@@ -78,18 +78,23 @@ def test_six_sessions_on_four_slots(make_llama, make_proxy, tmp_path):
     allowed = list(minimum)
     prefilled = [c.turns[k].prompt_n for c, k in order]
     actions = [c.turns[k].action for c, k in order]
-    assert "restored" in actions, actions
-    # Sessions 3-6 start from the shared system prompt: from its seed, or from a slot or
+    # Sessions 2-6 start from the shared system prompt: from its seed, from a slot or
     # snapshot that holds it already where that costs less (issue #31's pricing: measured
-    # 14 prefilled where the seed's restore gave 17).
+    # 14 prefilled where the seed's restore gave 17), or from an idle parent's copy in the
+    # server's RAM cache (its default --cache-ram), or the KV of the slot's session, which
+    # holds the same system block.
     first = sessions[0].turns[0]
-    for c in sessions[2:]:
-        assert c.turns[0].action in ("seeded", "restored"), actions
+    log = proxy.log_text()
+    for c in sessions[1:]:
+        opening = next(line for line in log.splitlines() if f"{c.session} (header" in line)
+        assert (c.turns[0].action in ("seeded", "restored") or started_from_ram(log, c.session)
+                or "KV left in the slot as its prefix" in opening), (actions, opening)
         assert c.turns[0].cache_n >= 0.9 * (first.prompt_n + first.cache_n), (c.turns[0], first)
-    assert "seeded" in actions, actions
     assert sum(prefilled) <= 1.1 * sum(allowed), (prefilled, allowed, actions)
     later = [(p, m) for (c, k), p, m in zip(order, prefilled, minimum) if k > 0]
     assert all(p <= 1.1 * m + 2 for p, m in later), (later, actions)
+    # with idle saves off no quiet period takes a seed: it is taken after the answer
+    assert any(p.name.startswith("seed_") for p in (tmp_path / "slots").iterdir()), log[-3000:]
 
 
 def test_llama_server_killed_and_restarted_sessions_come_back_warm(make_llama, make_proxy,
@@ -136,9 +141,11 @@ def test_proxy_restart_loses_nothing(make_llama, make_proxy, tmp_path):
 def test_new_session_with_known_system_prompt_starts_from_the_seed(make_llama, make_proxy,
                                                                      tmp_path):
     slot_dir = tmp_path / "slots"
-    server = make_llama(slot_save_path=slot_dir)
+    # the disk's way: a server whose RAM cache cannot hold its slots (a large model's)
+    server = make_llama(slot_save_path=slot_dir, extra=["--cache-ram", "0"])
     proxy = make_proxy(server, slotkeeper_slot_dir=str(slot_dir),
-                       slotkeeper_small_request_chars=0, slotkeeper_idle_save_seconds=0)
+                       slotkeeper_small_request_chars=0, slotkeeper_idle_save_seconds=0,
+                       slotkeeper_upstream_cache_ram_mb=0)
     system = long_system_prompt(400, seed=21)
     first = Conversation("seed-a", system)
     t1 = first.ask(proxy.url, "Hello, who are you?")

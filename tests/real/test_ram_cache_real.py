@@ -173,7 +173,7 @@ def test_fake_server_refusing_the_hand_back_still_answers_right(make_llama, make
 
 
 def seed_files(folder) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.name.startswith("seed~"))
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("seed_"))
 
 
 def test_a_new_conversation_starts_from_its_idle_parents_copy_in_ram(make_llama, make_proxy,
@@ -182,13 +182,11 @@ def test_a_new_conversation_starts_from_its_idle_parents_copy_in_ram(make_llama,
     in the other: slotkeeper hands the empty slot back, the call's start makes the server copy
     the idle parent into its RAM cache, and the request loads that copy and keeps the shared
     opening: as much as llama-server's best own setting here (`-np 1 -sps 0`) reuses on the
-    same turns, with no slot file written or read. The parent keeps its slot and its whole
-    conversation. The seed of the prompt is not taken on the answer's path (it held the
-    answer's end 1.36 s at the bench's cap) but once the server has been quiet."""
+    same turns, with no slot file written or read (no seeds, no idle saves here). The parent
+    keeps its slot and its whole conversation."""
     baseline = make_llama(np=1, ctx=8192, extra=["--slot-prompt-similarity", "0"])
     server = make_llama(np=2, ctx=8192, slot_save_path=slot_dir)  # --cache-ram: its default
-    options = OPTIONS | {"slotkeeper_max_seeds": 4, "slotkeeper_seed_min_chars": 100}
-    proxy = make_proxy(server, slotkeeper_slot_dir=str(slot_dir), **options)
+    proxy = make_proxy(server, slotkeeper_slot_dir=str(slot_dir), **OPTIONS)
     straight, through = three_sharing_one_system_prompt("s"), three_sharing_one_system_prompt("q")
     for url, (a, b, _c) in ((baseline.url, straight), (proxy.url, through)):
         a.ask(url, f"({a.session}) Name a colour.")
@@ -210,9 +208,10 @@ def test_a_new_conversation_starts_from_its_idle_parents_copy_in_ram(make_llama,
 
 def test_the_seed_waits_for_a_quiet_server_when_the_ram_cache_serves_new_conversations(
         make_llama, make_proxy, slot_dir):
-    """With idle saves on: the second conversation's answer ends with no seed taken; a few
-    seconds of quiet later the seed is there, and the session whose slot it was cut from
-    still answers its next turn whole."""
+    """With idle saves on: the second conversation's answer ends with no seed taken (it held
+    the answer's end 1.36 s at the bench's cap, and the RAM cache serves the next
+    conversations from an idle parent); a second of quiet later the seed is there, and the
+    session whose slot it was cut from still answers its next turn whole."""
     server = make_llama(np=2, ctx=8192, slot_save_path=slot_dir)
     options = OPTIONS | {"slotkeeper_max_seeds": 4, "slotkeeper_seed_min_chars": 100,
                          "slotkeeper_idle_save_seconds": 1}

@@ -49,7 +49,7 @@ class FirstTurns:
 
     def __init__(self, state: StateFile, locks: SlotLocks, upstreams: Upstreams, saves: Saves,
                  snapshots: Snapshots | None, seeds: SeedBuilder | None,
-                 seed_min_chars: int) -> None:
+                 seed_min_chars: int, idle_work: bool = True) -> None:
         self.state = state
         self.locks = locks
         self.upstreams = upstreams
@@ -57,6 +57,7 @@ class FirstTurns:
         self.snapshots = snapshots
         self.seeds = seeds
         self.seed_min_chars = seed_min_chars
+        self.idle_work = idle_work  # False: no idle period ever comes to take a waiting seed
         self.habits = Habits()
         self.pending: dict[tuple[str, str], PendingSeed] = {}  # (server, session)
 
@@ -126,7 +127,7 @@ class FirstTurns:
                 or not self.seeds.wants(props, key)):
             return
         pending = PendingSeed(route.slot, key, source, route.messages)
-        if info.ram.confirmed:
+        if info.ram.confirmed and self.idle_work:
             # its save, cut and restore would hold the answer's end and stall every slot
             # (six-agents: 1.36 s at the bench's cap), while the RAM cache serves the next
             # conversations from an idle parent: it waits for a quiet server

@@ -76,7 +76,7 @@ class Router:
         self.handover = Handover(state, locks, self.saves, self.snapshots,
                                 config.erase_on_handover)
         self.first_turns = FirstTurns(state, locks, self.upstreams, self.saves, self.snapshots,
-                                      seeds, config.seed_min_chars)
+                                      seeds, config.seed_min_chars, config.idle_work)
         self.walk = Walk(config, state, locks, clock, self.upstreams, self.sessions,
                          self.handover, self.saves, self.pool.placeable,
                          self.first_turns.one_off)

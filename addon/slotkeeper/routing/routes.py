@@ -43,6 +43,8 @@ class RouterConfig:
     write_budget: float = 8192 * 2**20  # bytes an hour saves that can wait may write (0: any)
     seed_min_chars: int = 2000  # system prompts (plus tools) at least this long get a seed
     max_seeds: int = 8
+    # idle timers run (idle saves on): a seed can wait for a quiet server (firstturns)
+    idle_work: bool = True
     # Several llama-servers behind one address (issue #13): their base URLs, in order. Empty:
     # each flow's own upstream, as one reverse mode gives it.
     upstreams: tuple[str, ...] = ()
