@@ -18,6 +18,8 @@ class Target:
     flags: tuple[str, ...] = ()  # llama-server flags beyond the test bed's own
     one_slot: bool = False  # -np 1 instead of the workload's slot count
     slotkeeper: bool = False  # slotkeeper (mitm.conf's options) in front, --slot-save-path
+    # --slot-save-path on the bench's capped folder with no proxy: what the folder costs alone
+    slot_folder: bool = False
 
     def server_np(self, slots: int) -> int:
         return 1 if self.one_slot else slots
@@ -28,7 +30,8 @@ class Target:
 
     def describe(self, slots: int, ctx_per_slot: int) -> str:
         np = self.server_np(slots)
-        extra = " --slot-save-path DIR + slotkeeper" if self.slotkeeper else ""
+        extra = (" --slot-save-path DIR + slotkeeper" if self.slotkeeper
+                 else " --slot-save-path DIR" if self.slot_folder else "")
         return (f"-np {np} -c {self.server_ctx(slots, ctx_per_slot)} --swa-full -t 2 "
                 f"--no-repack {' '.join(self.flags)}".rstrip() + extra)
 
