@@ -20,6 +20,7 @@ class Target:
     slotkeeper: bool = False  # slotkeeper (mitm.conf's options) in front, --slot-save-path
     # --slot-save-path on the bench's capped folder with no proxy: what the folder costs alone
     slot_folder: bool = False
+    bare_proxy: bool = False  # mitmdump with no addon in front: what the proxy costs alone
 
     def server_np(self, slots: int) -> int:
         return 1 if self.one_slot else slots
@@ -31,7 +32,8 @@ class Target:
     def describe(self, slots: int, ctx_per_slot: int) -> str:
         np = self.server_np(slots)
         extra = (" --slot-save-path DIR + slotkeeper" if self.slotkeeper
-                 else " --slot-save-path DIR" if self.slot_folder else "")
+                 else " --slot-save-path DIR" if self.slot_folder
+                 else " + mitmdump with no addon" if self.bare_proxy else "")
         return (f"-np {np} -c {self.server_ctx(slots, ctx_per_slot)} --swa-full -t 2 "
                 f"--no-repack {' '.join(self.flags)}".rstrip() + extra)
 
