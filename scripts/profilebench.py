@@ -322,7 +322,7 @@ def same_shape(flags: tuple[str, ...]) -> tuple[str, ...]:
     default, 0.10, where the target leaves it). Every target's llama-server then has a command
     line of one shape: the same arguments, each of the same length, `--slot-save-path` on a
     folder whose path has one length (only slotkeeper's server uses it). Measured here
-    (BENCHMARKS 7, "The command line's shape"): the first 5,849-token prompt on fresh servers
+    (BENCHMARKS 7, "The bed's own spread"): the first 5,849-token prompt on fresh servers
     prefilled at 280-291 tokens/s with the test bed's flags alone, and at 252-262 tokens/s with
     `-sps 0`, `-sps 0.1` (the default's own value) or `--slot-save-path DIR` added, run after
     run, with server logs alike line for line: the arguments change where the server's memory
