@@ -141,6 +141,7 @@ class SlotKeeper:
             raise
         flow.metadata[ROUTE_KEY] = route
         self.in_flight += 1
+        self.watcher.request_started(route.upstream)
         describe(flow, ident, route)
         metrics.routed(flow.request.path, route)
         # A kept session is the common case and gets no log line: mitmproxy formats every
@@ -258,8 +259,8 @@ class SlotKeeper:
         route: Route | None = flow.metadata.pop(ROUTE_KEY, None)
         timings = None
         try:
-            if route is not None and flow.response is None:
-                self._no_answer(flow, route)
+            if route is not None and self.router is not None:
+                suspect_after_error(self.router, flow, route)
             # A client may leave as soon as it has the final event (seen with Codex exec, which
             # exits on `response.completed` while the stream's end is still in flight): the
             # server finished the request, and its timings say what the slot now holds.
@@ -270,19 +271,6 @@ class SlotKeeper:
                 self._note_timings(flow, route, timings)
         finally:
             await self._end(route, timings)
-
-    def _no_answer(self, flow: http.HTTPFlow, route: Route) -> None:
-        """No answer from llama-server at all: it may be restarting. Verify its slots before
-        trusting any of them again; a pool member is taken out until its /health answers
-        again (the watcher probes it back in)."""
-        router = self.router
-        if router is None:
-            return
-        router.upstreams.mark_suspect(route.upstream)
-        client_left = flow.error is not None and "client disconnected" in flow.error.msg.lower()
-        if (router.pool.pooled and route.upstream in router.config.upstreams
-                and not client_left and router.upstreams.set_health(route.upstream, False)):
-            log.warning("%s: no answer: taken out of the pool", route.upstream)
 
     def _note_timings(self, flow: http.HTTPFlow, route: Route, timings: Timings | None) -> None:
         metrics.timings(route.upstream, timings)
@@ -312,6 +300,7 @@ class SlotKeeper:
         finally:
             route.release()
             self.in_flight -= 1
+            self.watcher.request_ended(route.upstream)
         if self.idle_saves.seconds and route.slot is not None and self.router is not None:
             self.idle_saves.schedule(route.upstream, route.session, self.router.clock())
         return verified
@@ -356,6 +345,23 @@ class SlotKeeper:
             self.store = None
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.release_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def suspect_after_error(router: Router, flow: http.HTTPFlow, route: Route) -> None:
+    """A routed request that failed. No answer from llama-server at all, or an answer that
+    broke off before its final event: it may be restarting. Verify its slots before trusting
+    any of them again (the sentinel holds no connection while a request is in flight: this
+    request's end is what shows a restart then). A pool member that never answered is taken
+    out until its /health answers again (the watcher probes it back in)."""
+    client_left = flow.error is not None and "client disconnected" in flow.error.msg.lower()
+    if flow.response is None:
+        router.upstreams.mark_suspect(route.upstream)
+        if (router.pool.pooled and route.upstream in router.config.upstreams
+                and not client_left and router.upstreams.set_health(route.upstream, False)):
+            log.warning("%s: no answer: taken out of the pool", route.upstream)
+    elif not client_left and timings_of(flow) is None:
+        log.info("%s: the answer broke off: slots will be verified", route.upstream)
+        router.upstreams.mark_suspect(route.upstream)
 
 
 def in_background(pool: ThreadPoolExecutor) -> Callable[[Callable[[], None]], None]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 
 from .upstream.models import split_key
-from .upstream.sentinel import Sentinel
+from .upstream.sentinel import InFlight, Sentinel
 
 log = logging.getLogger("slotkeeper")
 
@@ -30,7 +30,8 @@ class HealthWatcher:
         self._router = router  # the current router.Router, or None (replaced on configure)
         self._executor = executor
         self._task: asyncio.Task | None = None
-        self._sentinel = Sentinel(self._lost)
+        self._in_flight = InFlight()
+        self._sentinel = Sentinel(self._lost, self._in_flight)
 
     def start(self) -> None:
         self.stop()
@@ -49,6 +50,14 @@ class HealthWatcher:
             if router is not None:
                 self._sentinel.watch({split_key(url)[0] for url, _ in router.upstreams.known()})
                 await self.poll_once(router)
+
+    def request_started(self, upstream: str) -> None:
+        """A routed request went out to `upstream`: its server's sentinel connection closes
+        until the last such request ends (upstream/sentinel.py says why)."""
+        self._in_flight.started(split_key(upstream)[0])
+
+    def request_ended(self, upstream: str) -> None:
+        self._in_flight.ended(split_key(upstream)[0])
 
     def _lost(self, base_url: str) -> None:
         """The server at `base_url` may have restarted: every upstream key on it (each model

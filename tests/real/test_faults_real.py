@@ -251,6 +251,8 @@ def test_llama_server_killed_mid_stream_then_restarted(make_llama, make_proxy, s
     assert plain.get("status") == 502, plain  # mitmproxy's answer: the server went away
     plain_after = plain["ended"] - killed_at
     assert plain_after < 10, plain
+    # The sentinel held no connection while these were in flight: their ends said it.
+    assert "the answer broke off: slots will be verified" in proxy.log_text()
 
     started = time.monotonic()
     down = victim.ask(proxy.url, "Are you there?", timeout=60)

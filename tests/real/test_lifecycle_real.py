@@ -49,7 +49,7 @@ FAULTS = {
     "response: translation.whole RecursionError": (
         addon_module, "translation_of", lambda _flow: DeepTranslation()),
     "response: metrics.timings": (metrics, "timings", boom),
-    "error: no answer handling": (SlotKeeper, "_no_answer", boom),
+    "error: no answer handling": (addon_module, "suspect_after_error", boom),
 }
 
 

@@ -8,6 +8,13 @@ sends on the last answer a connection may carry) means the server may be a new o
 empty slots. The health poll alone missed a restart that fell between two polls (a kept turn
 then went to an empty slot and was prefilled in full, its snapshot unused).
 
+While slotkeeper has a request in flight to a server, the sentinel holds no connection to it
+(`busy`/`idle`): a server that dies then fails that request, which marks it suspect as well, and
+the connection is opened again the moment the last request ends, far inside the second a
+restart takes. Measured on the throttled bed (docs/BENCHMARKS.md section 7): with the sentinel
+probing through the mixed-agents workload the server's prefill took ~10% longer than without
+it.
+
 Event-loop code only: a probe is a few bytes on an open connection, no thread."""
 
 from __future__ import annotations
@@ -33,12 +40,54 @@ class ConnectionLost(Exception):
     """The server closed the connection without saying it would."""
 
 
+class InFlight:
+    """How many of slotkeeper's requests are in flight to each server (base URL), with an
+    event for each way the count may turn. Event-loop code only."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        self._events: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}  # (idle, busy)
+
+    def started(self, url: str) -> None:
+        self._counts[url] = self._counts.get(url, 0) + 1
+        idle, busy = self._events_of(url)
+        idle.clear()
+        busy.set()
+
+    def ended(self, url: str) -> None:
+        left = self._counts.pop(url, 0) - 1
+        if left > 0:
+            self._counts[url] = left
+            return
+        idle, busy = self._events_of(url)
+        busy.clear()
+        idle.set()
+
+    def busy(self, url: str) -> bool:
+        return url in self._counts
+
+    async def until_idle(self, url: str) -> None:
+        await self._events_of(url)[0].wait()
+
+    async def until_busy(self, url: str) -> None:
+        await self._events_of(url)[1].wait()
+
+    def _events_of(self, url: str) -> tuple[asyncio.Event, asyncio.Event]:
+        events = self._events.get(url)
+        if events is None:
+            events = self._events[url] = (asyncio.Event(), asyncio.Event())
+            events[1 if self.busy(url) else 0].set()
+        return events
+
+
 class Sentinel:
     """Watches each base URL given to `watch` until `stop`; calls `on_lost(url)` from the event
-    loop each time the server may have restarted (its connection lost, or refused)."""
+    loop each time the server may have restarted (its connection lost, or refused). Holds no
+    connection to a server while `in_flight` has a request to it."""
 
-    def __init__(self, on_lost: Callable[[str], None]) -> None:
+    def __init__(self, on_lost: Callable[[str], None], in_flight: InFlight) -> None:
         self._on_lost = on_lost
+        self._in_flight = in_flight
         self._tasks: dict[str, asyncio.Task] = {}
 
     def watch(self, urls: Iterable[str]) -> None:
@@ -55,13 +104,14 @@ class Sentinel:
         parts = urlsplit(url)
         host, port = parts.hostname or "127.0.0.1", parts.port or 80
         while True:
+            await self._in_flight.until_idle(url)
             try:
                 reader, writer = await asyncio.open_connection(host, port)
             except OSError:  # down: the health poll says so too; this keeps trying
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
             try:
-                await _probe_until_closed(reader, writer, f"{host}:{port}")
+                await self._probe_while_idle(url, reader, writer, f"{host}:{port}")
             except (ConnectionLost, OSError, asyncio.IncompleteReadError, ValueError):
                 log.info("%s: its connection closed: slots will be verified", url)
                 self._on_lost(url)
@@ -71,6 +121,25 @@ class Sentinel:
                 writer.close()
                 with contextlib.suppress(Exception):
                     await writer.wait_closed()
+
+    async def _probe_while_idle(self, url: str, reader: asyncio.StreamReader,
+                                writer: asyncio.StreamWriter, host: str) -> None:
+        """Probes until the connection ends, or returns (closing it quietly) the moment a
+        request to the server starts."""
+        if self._in_flight.busy(url):
+            return
+        probe = asyncio.ensure_future(_probe_until_closed(reader, writer, host))
+        started = asyncio.ensure_future(self._in_flight.until_busy(url))
+        try:
+            await asyncio.wait({probe, started}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()
+            if not probe.done():
+                probe.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await probe
+        if not probe.cancelled():
+            probe.result()  # a lost connection raises here
 
 
 async def _probe_until_closed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
