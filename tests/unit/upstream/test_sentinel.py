@@ -5,6 +5,8 @@ one is, and reports a connection the server closed without saying so."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -69,6 +71,23 @@ async def until(check, seconds: float = 3.0) -> None:
         await asyncio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def watching(flights: InFlight, busy_from_start: bool = False
+                   ) -> AsyncIterator[tuple[FakeHealthServer, str, list]]:
+    """A fake server watched by a sentinel; yields the server, its URL and the losses seen."""
+    fake, lost = FakeHealthServer(), []
+    url = await fake.start()
+    if busy_from_start:
+        flights.started(url)
+    guard = Sentinel(lost.append, flights)
+    try:
+        guard.watch([url])
+        yield fake, url, lost
+    finally:
+        guard.stop()
+        await fake.stop()
+
+
 @pytest.fixture
 def fast_probes(monkeypatch):
     monkeypatch.setattr(sentinel, "PROBE_SECONDS", 0.05)
@@ -95,11 +114,8 @@ def test_in_flight_counts_per_server():
 
 def test_connection_held_while_idle_and_closed_while_a_request_is_in_flight(fast_probes):
     async def run() -> None:
-        fake, lost, flights = FakeHealthServer(), [], InFlight()
-        url = await fake.start()
-        guard = Sentinel(lost.append, flights)
-        try:
-            guard.watch([url])
+        flights = InFlight()
+        async with watching(flights) as (fake, url, lost):
             await until(lambda: fake.probes >= 2)  # held and probed while idle
             flights.started(url)
             await until(lambda: fake.open_now == 0)
@@ -109,27 +125,17 @@ def test_connection_held_while_idle_and_closed_while_a_request_is_in_flight(fast
             flights.ended(url)
             await until(lambda: fake.opened == 2 and fake.probes > probes)
             assert lost == []  # closing it ourselves is not a restart
-        finally:
-            guard.stop()
-            await fake.stop()
 
     asyncio.run(run())
 
 
 def test_a_connection_the_server_drops_is_reported(fast_probes):
     async def run() -> None:
-        fake, lost, flights = FakeHealthServer(), [], InFlight()
-        url = await fake.start()
-        guard = Sentinel(lost.append, flights)
-        try:
-            guard.watch([url])
+        async with watching(InFlight()) as (fake, url, lost):
             await until(lambda: fake.open_now == 1)
             fake.drop_all()
             await until(lambda: lost == [url])
             await until(lambda: fake.open_now == 1)  # and it watches the server again
-        finally:
-            guard.stop()
-            await fake.stop()
 
     asyncio.run(run())
 
@@ -139,20 +145,13 @@ def test_a_server_dropping_everything_while_busy_reports_nothing(fast_probes):
     the server suspect on an answer that never came or broke off); the sentinel has nothing
     open to lose."""
     async def run() -> None:
-        fake, lost, flights = FakeHealthServer(), [], InFlight()
-        url = await fake.start()
-        flights.started(url)
-        guard = Sentinel(lost.append, flights)
-        try:
-            guard.watch([url])
+        flights = InFlight()
+        async with watching(flights, busy_from_start=True) as (fake, url, lost):
             await asyncio.sleep(0.2)
             assert fake.opened == 0
             fake.drop_all()
             flights.ended(url)
             await until(lambda: fake.probes >= 1)
             assert lost == []
-        finally:
-            guard.stop()
-            await fake.stop()
 
     asyncio.run(run())
