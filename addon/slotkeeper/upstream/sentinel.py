@@ -8,12 +8,12 @@ sends on the last answer a connection may carry) means the server may be a new o
 empty slots. The health poll alone missed a restart that fell between two polls (a kept turn
 then went to an empty slot and was prefilled in full, its snapshot unused).
 
-While slotkeeper has a request in flight to a server, the sentinel holds no connection to it
-(`busy`/`idle`): a server that dies then fails that request, which marks it suspect as well, and
-the connection is opened again the moment the last request ends, far inside the second a
-restart takes. Measured on the throttled bed (docs/BENCHMARKS.md section 7): with the sentinel
-probing through the mixed-agents workload the server's prefill took ~10% longer than without
-it.
+While slotkeeper has a routed request in flight to a server (`InFlight`), the sentinel holds no
+connection to it: a server that dies then fails that request, whose end marks it suspect (the
+addon's `suspect_after_error`), and the connection is opened again the moment the last request
+ends, far inside the second a restart takes. Why: with the sentinel probing through the
+mixed-agents bench the server prefilled 1.11x slower than behind the best baseline; closed
+while requests are in flight, 1.008x (docs/BENCHMARKS.md section 7).
 
 Event-loop code only: a probe is a few bytes on an open connection, no thread."""
 
