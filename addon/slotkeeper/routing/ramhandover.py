@@ -109,7 +109,7 @@ class RamHandover:
             return None
         meta = self.snapshots.folder.read_meta(session)
         snapshot = meta.n_tokens if meta is not None else 0
-        restore = rates.restore_seconds(meta.size_bytes) if meta is not None else None
+        restore = rates.read_back_seconds(meta.size_bytes) if meta is not None else None
         if restore is not None and not pricing.restore_pays(rates, meta.size_bytes,
                                                             snapshot - resident_tokens):
             snapshot, restore = 0, None  # the disk's way would prefill, not restore

@@ -3,7 +3,7 @@ must keep "always save, always restore", a GPU's must not."""
 
 from __future__ import annotations
 
-from slotkeeper.decisions import pricing
+from slotkeeper.decisions import pricing, ramcache
 from slotkeeper.decisions.pricing import Rates
 
 MiB = 2**20
@@ -68,6 +68,21 @@ def test_unknown_speeds_count_as_paying_so_the_first_call_measures_them():
     assert pricing.restore_pays(Rates(), 10 * MiB, 10)
     assert pricing.save_pays(Rates(), 10, 0, None)
     assert pricing.restore_pays(Rates(prefill_tokens_per_s=600), None, 10)
+
+
+def test_a_restore_not_yet_measured_is_priced_at_the_save_speed_never_as_free():
+    saved_only = Rates(prefill_tokens_per_s=150, save_bytes_per_s=7.7e6,
+                       kv_bytes_per_token=3754, slot_fixed_bytes=4.6 * MiB)
+    nbytes = saved_only.file_bytes(731)
+    assert saved_only.restore_seconds(nbytes) is None
+    assert saved_only.read_back_seconds(nbytes) == saved_only.save_seconds(nbytes)
+    assert SLOW_FOLDER.read_back_seconds(nbytes) == SLOW_FOLDER.restore_seconds(nbytes)
+    assert Rates().read_back_seconds(nbytes) is None
+    # six-agents' first return: the RAM cache and the disk hold the same 731 tokens, and the
+    # disk's read (1.2 s at the bench's cap) is what the hand-back spares
+    spared = saved_only.read_back_seconds(nbytes) * saved_only.prefill_tokens_per_s
+    assert ramcache.hand_back_pays(731, 0, 731, spared)
+    assert not ramcache.hand_back_pays(731, 0, 731, 0.0)
 
 
 def test_a_save_that_would_stall_another_stream_past_the_budget_waits():
