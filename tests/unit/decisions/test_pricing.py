@@ -79,7 +79,7 @@ def test_a_restore_not_yet_measured_is_priced_at_the_save_speed_never_as_free():
     assert SLOW_FOLDER.read_back_seconds(nbytes) == SLOW_FOLDER.restore_seconds(nbytes)
     assert Rates().read_back_seconds(nbytes) is None
     # six-agents' first return: the RAM cache and the disk hold the same 731 tokens, and the
-    # disk's read (1.2 s at the bench's cap) is what the hand-back spares
+    # disk's read (~1 s at this save speed) is what the hand-back spares
     spared = saved_only.read_back_seconds(nbytes) * saved_only.prefill_tokens_per_s
     assert ramcache.hand_back_pays(731, 0, 731, spared)
     assert not ramcache.hand_back_pays(731, 0, 731, 0.0)
