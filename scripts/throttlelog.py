@@ -136,7 +136,8 @@ class LoggedFolder(ThrottledFolder):
 
     def command(self) -> list[str]:
         return [sys.executable, __file__, str(self.backing), str(self.path),
-                "--bytes-per-s", str(self.bytes_per_s), "--log", str(self.log_path),
+                "--bytes-per-s", str(self.bytes_per_s), "--rate-file", str(self.rate_file),
+                "--log", str(self.log_path),
                 *(["--charge", *map(str, self.charge)] if self.charge else [])]
 
     def start(self) -> LoggedFolder:
@@ -157,12 +158,14 @@ def main() -> None:
     parser.add_argument("backing", type=Path)
     parser.add_argument("mountpoint", type=Path)
     parser.add_argument("--bytes-per-s", type=float, required=True)
+    parser.add_argument("--rate-file", type=Path, default=None)
     parser.add_argument("--log", type=Path, required=True)
     parser.add_argument("--charge", type=float, nargs=3, default=None,
                         metavar=("SMALL_PER_TOKEN", "PER_TOKEN", "FIXED"),
                         help="charge a file's bytes as KV tokens x PER_TOKEN (see charged())")
     args = parser.parse_args()
-    ops = logged_operations(args.backing.resolve(), Bucket(args.bytes_per_s), args.log,
+    bucket = Bucket(args.bytes_per_s, args.rate_file)
+    ops = logged_operations(args.backing.resolve(), bucket, args.log,
                             tuple(args.charge) if args.charge else None)
     mfusepy.FUSE(ops, str(args.mountpoint), foreground=True, nothreads=False)
 

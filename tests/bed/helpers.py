@@ -19,6 +19,7 @@ class Turn:
     slot: str | None
     action: str | None
     headers: dict[str, str]
+    prompt_ms: float = 0.0  # the server's time prefilling prompt_n
 
     @property
     def prompt_tokens(self) -> int:
@@ -52,7 +53,7 @@ class Conversation:
         timings = data["timings"]
         turn = Turn(self.session, len(self.turns) + 1, timings["cache_n"], timings["prompt_n"],
                     r.headers.get("X-Slotkeeper-Slot"), r.headers.get("X-Slotkeeper-Action"),
-                    dict(r.headers))
+                    dict(r.headers), timings.get("prompt_ms", 0.0))
         self.turns.append(turn)
         return turn
 

@@ -29,15 +29,30 @@ MOUNT_WAIT_S = 20.0
 
 class Bucket:
     """Bytes at most `rate` a second, in order of arrival: each call waits until the bytes
-    before it have gone through."""
+    before it have gone through. With a `rate_file`, the rate is the number in that file
+    whenever it changes (ThrottledFolder.set_rate), so that a test can set the cap from a speed
+    it measured after the folder is in use."""
 
-    def __init__(self, rate: float) -> None:
+    def __init__(self, rate: float, rate_file: Path | None = None) -> None:
         self.rate = rate
+        self.rate_file = rate_file
+        self._rate_mtime = 0
         self._free_at = 0.0
         self._lock = threading.Lock()
 
+    def _follow_rate_file(self) -> None:
+        if self.rate_file is None:
+            return
+        try:
+            mtime = os.stat(self.rate_file).st_mtime_ns
+            if mtime != self._rate_mtime:
+                self.rate, self._rate_mtime = float(self.rate_file.read_text()), mtime
+        except (OSError, ValueError):
+            pass  # no file yet, or one being replaced: keep the rate in force
+
     def spend(self, nbytes: int) -> None:
         with self._lock:
+            self._follow_rate_file()
             now = time.monotonic()
             start = max(now, self._free_at)
             self._free_at = start + nbytes / self.rate
@@ -144,11 +159,13 @@ class ThrottledFolder:
         self.backing = root / "backing"
         self.path = root / "throttled"
         self.bytes_per_s = bytes_per_s
+        self.rate_file = root / "rate"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ThrottledFolder:
         self.backing.mkdir(parents=True, exist_ok=True)
         self.path.mkdir(parents=True, exist_ok=True)
+        self.set_rate(self.bytes_per_s)
         self.proc = subprocess.Popen(
             self.command(),
             stdout=subprocess.DEVNULL, stderr=open(self.path.parent / "throttlefs.log", "wb"))
@@ -163,7 +180,14 @@ class ThrottledFolder:
     def command(self) -> list[str]:
         """The FUSE process: this file run as a script (a subclass may run another)."""
         return [sys.executable, __file__, str(self.backing), str(self.path),
-                "--bytes-per-s", str(self.bytes_per_s)]
+                "--bytes-per-s", str(self.bytes_per_s), "--rate-file", str(self.rate_file)]
+
+    def set_rate(self, bytes_per_s: float) -> None:
+        """The cap from the next read or write on (the FUSE process follows `rate_file`)."""
+        self.bytes_per_s = bytes_per_s
+        staged = self.rate_file.with_suffix(".new")
+        staged.write_text(repr(float(bytes_per_s)))
+        os.replace(staged, self.rate_file)
 
     def stop(self) -> None:
         if self.proc is None:
@@ -185,8 +209,11 @@ def main() -> None:
     parser.add_argument("backing", type=Path)
     parser.add_argument("mountpoint", type=Path)
     parser.add_argument("--bytes-per-s", type=float, required=True)
+    parser.add_argument("--rate-file", type=Path, default=None,
+                        help="follow the number in this file as the cap when it changes")
     args = parser.parse_args()
-    mfusepy.FUSE(make_operations(args.backing.resolve(), Bucket(args.bytes_per_s)),
+    bucket = Bucket(args.bytes_per_s, args.rate_file)
+    mfusepy.FUSE(make_operations(args.backing.resolve(), bucket),
                  str(args.mountpoint), foreground=True, nothreads=False)
 
 
