@@ -309,10 +309,9 @@ class SlotKeeper:
 
     def running(self) -> None:
         self.watcher.start()
-        if self.router is not None:  # a 401 at start: one clear line naming the option
-            self.release_pool.submit(check_access, [
-                *self.router.config.upstreams, *reverse_targets(ctx.options.mode)],
-                self.router.config.api_key)
+        if self.router is not None:
+            self.release_pool.submit(check_at_start, self.router, [
+                *self.router.config.upstreams, *reverse_targets(ctx.options.mode)])
 
     def done(self) -> Awaitable[None]:
         """Stop what `running`/`configure` started. Graceful shutdown (SIGINT/SIGTERM): let
@@ -362,6 +361,16 @@ def suspect_after_error(router: Router, flow: http.HTTPFlow, route: Route) -> No
     elif not client_left and timings_of(flow) is None:
         log.info("%s: the answer broke off: slots will be verified", route.upstream)
         router.upstreams.mark_suspect(route.upstream)
+
+
+def check_at_start(router: Router, urls: list[str]) -> None:
+    """A 401 at start is one clear line naming the option (check_access); then each server
+    that takes our calls is verified before any request needs it (Router.warm_up)."""
+    try:
+        refused = check_access(urls, router.config.api_key)
+        router.warm_up([url for url in urls if url not in refused])
+    except Exception:  # noqa: BLE001 - a thread's error would vanish; the first request retries
+        log.exception("checking the upstreams at start failed")
 
 
 def in_background(pool: ThreadPoolExecutor) -> Callable[[Callable[[], None]], None]:

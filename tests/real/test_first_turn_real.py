@@ -374,3 +374,22 @@ def test_a_memory_one_off_starts_from_the_previous_memory_request(make_llama, ma
     assert timings[2]["cache_n"] >= 0.9 * second_prompt, (actions, timings)
     metas = [json.loads(p.read_text()) for p in slots.glob("*.json")]
     assert {m["session_id"] for m in metas} == {"agent-7"}, metas  # the leftovers are gone
+
+
+def test_a_fresh_proxy_verifies_its_server_before_the_first_request(llama, make_proxy):
+    """mitmdump's `running` hook verifies the reverse target in the background: the state file
+    holds the server's fingerprint before any request is sent, so the first request does not
+    read /props, the model file's digest and /slots on its own path (0.2-0.3 s, measured)."""
+    proxy = make_proxy(llama, slotkeeper_small_request_chars=0)
+    deadline = time.monotonic() + 30
+    fingerprint = ""
+    while not fingerprint and time.monotonic() < deadline:
+        if proxy.state_file.exists():
+            upstreams = json.loads(proxy.state_file.read_text()).get("upstreams", {})
+            fingerprint = upstreams.get(llama.url, {}).get("fingerprint", "")
+        time.sleep(0.1)
+    assert fingerprint, proxy.log_text()[-2000:]
+    first = Conversation("verified-at-start", SYSTEM).ask(proxy.url, "Name a colour.")
+    assert first.action == "assigned", first
+    after = json.loads(proxy.state_file.read_text())["upstreams"][llama.url]["fingerprint"]
+    assert after == fingerprint

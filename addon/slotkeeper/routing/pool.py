@@ -176,8 +176,8 @@ class Pool:
         info = self.upstreams.get(url)
         up_rec = doc.upstreams.get(url)
         healthy = info.healthy
-        if healthy and (info.suspect or not info.checked):
-            self.upstreams.verify(url, info)
+        if healthy:
+            self.upstreams.verify_if_suspect(url)
         props = info.props
         total = props.total_slots if props is not None else 1
         busy = free = live_tokens = 0

@@ -380,16 +380,16 @@ def check_access(urls: Sequence[str], api_key: str, timeout: float = 5.0) -> lis
     --api-key and we have no key, or the wrong one) is one clear error line naming the
     option, not a silent fall back to hashing on every request. A server that is not up yet
     says nothing here (the health watcher and the first request deal with it). Returns the
-    lines logged."""
-    lines = []
+    servers that refused."""
+    refused = []
     for url in dict.fromkeys(urls):  # a pool member may also be the reverse mode's target
         try:
             Upstream(url, timeout=timeout, api_key=api_key).props()
         except Unauthorized as e:
-            lines.append(str(e))
+            refused.append(url)
             # A warning, not an error: mitmdump exits on an error logged during its startup,
             # and the proxy must keep serving (clients' requests carry their own key).
             log.warning("%s", e)
         except UpstreamError:
             continue
-    return lines
+    return refused

@@ -19,6 +19,7 @@ from . import gguf
 
 SAMPLE_BYTES = 4096  # from the middle of each tensor's data
 _cache: dict[tuple[int, int, int, int], str] = {}
+_computing: dict[tuple[int, int, int, int], threading.Lock] = {}  # one reader a file version
 _cache_mutex = threading.Lock()
 
 
@@ -35,15 +36,20 @@ def content_digest(path: str) -> str:
         return ""
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     with _cache_mutex:
-        cached = _cache.get(key)
-    if cached is not None:
-        return cached
-    try:
-        digest = _digest(path)
-    except (OSError, ValueError):  # gguf.NotGguf is a ValueError
-        return ""
-    with _cache_mutex:
-        _cache[key] = digest
+        computing = _computing.setdefault(key, threading.Lock())
+    # A second caller (the first request, while the start-up check reads the file) waits for
+    # the first one's digest instead of reading the file again beside it.
+    with computing:
+        with _cache_mutex:
+            cached = _cache.get(key)
+        if cached is not None:
+            return cached
+        try:
+            digest = _digest(path)
+        except (OSError, ValueError):  # gguf.NotGguf is a ValueError
+            return ""
+        with _cache_mutex:
+            _cache[key] = digest
     return digest
 
 

@@ -36,6 +36,9 @@ class UpstreamInfo:
     # what its RAM prompt cache holds of our sessions (issue #31: ramcache.py)
     ram: RamModel = field(default_factory=RamModel)
     launched_at: float = float("-inf")  # clock time our last request to it was sent
+    # one verification at a time: a request arriving while the start-up one runs waits for it
+    # rather than reading /props, /slots and the model file a second time
+    verifying: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def published(self, session: str) -> bool:
         """Was the session's slot idle when a request of ours was last sent to this server?
@@ -138,7 +141,9 @@ class Upstreams:
     def verify_if_suspect(self, url: str) -> UpstreamInfo:
         info = self.get(url)
         if info.suspect or not info.checked:
-            self.verify(url, info)
+            with info.verifying:
+                if info.suspect or not info.checked:  # not done while this one waited
+                    self.verify(url, info)
         return info
 
     def verify(self, url: str, info: UpstreamInfo) -> None:
