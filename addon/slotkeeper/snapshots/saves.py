@@ -97,8 +97,11 @@ class Saves:
         metrics.save_skipped("stall_budget")
         why = ("the other slots' streams" if others else "the answer's end" if holds_answer
                else "the next request (the server is not quiet)")
-        log.info("save of %s deferred: ~%.1f s of stall for %s (slotkeeper_stall_budget_ms "
-                 "%d)", session, stall or 0.0, why, self.stall_budget * 1000)
+        # an unmeasured save speed is not "0 s of stall": the log said ~0.0 s for those
+        cost = (f"~{stall:.1f} s of stall" if stall is not None
+                else "a stall of unknown length (no save measured yet)")
+        log.info("save of %s deferred: %s for %s (slotkeeper_stall_budget_ms %d)",
+                 session, cost, why, self.stall_budget * 1000)
         return LATER
 
     def save_slot(self, url: str, info: UpstreamInfo, slot: int, owner: str,

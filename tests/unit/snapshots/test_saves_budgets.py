@@ -53,3 +53,13 @@ def test_unknown_speeds_run_it_now_to_measure_them():
     # but not while another slot streams: it may take seconds (a first save of 5,880 tokens
     # stopped a stream 3.8 s at the GPU bench's cap)
     assert saves().when(info(Rates(), other_slot_busy=True), 0, "s", 2_000) == LATER
+
+
+def test_a_deferral_says_how_long_the_stall_would_be_or_that_it_is_not_known(caplog):
+    with caplog.at_level("INFO", logger="slotkeeper"):
+        saves().when(info(SLOW, other_slot_busy=True), 0, "measured", 2_000)
+        saves().when(info(Rates(), other_slot_busy=True), 0, "unmeasured", 2_000)
+    lines = [r.getMessage() for r in caplog.records if "deferred" in r.getMessage()]
+    assert "measured deferred: ~2.0 s of stall for the other slots' streams" in lines[0], lines
+    # not "~0.0 s": nothing says the save would be quick
+    assert "unmeasured deferred: a stall of unknown length (no save measured yet)" in lines[1]
