@@ -36,7 +36,7 @@ class Bucket:
     def __init__(self, rate: float, rate_file: Path | None = None) -> None:
         self.rate = rate
         self.rate_file = rate_file
-        self._rate_mtime = 0
+        self._rate_version: tuple[int, int] = (0, 0)
         self._free_at = 0.0
         self._lock = threading.Lock()
 
@@ -44,9 +44,10 @@ class Bucket:
         if self.rate_file is None:
             return
         try:
-            mtime = os.stat(self.rate_file).st_mtime_ns
-            if mtime != self._rate_mtime:
-                self.rate, self._rate_mtime = float(self.rate_file.read_text()), mtime
+            st = os.stat(self.rate_file)  # a new file each time: its inode tells it apart
+            if (st.st_ino, st.st_mtime_ns) != self._rate_version:
+                self.rate = float(self.rate_file.read_text())
+                self._rate_version = (st.st_ino, st.st_mtime_ns)
         except (OSError, ValueError):
             pass  # no file yet, or one being replaced: keep the rate in force
 
