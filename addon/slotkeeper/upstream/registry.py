@@ -163,13 +163,17 @@ class Upstreams:
             for line in policy.advice(url=url, total_slots=props.total_slots,
                                       slots_readable=slots is not None):
                 log.warning(line)
-        info.props, info.checked, info.suspect = props, True, False
+        info.props = props
         info.client.slot_actions_disabled = False  # a restarted server may have the flag now
         live = {s.id: s for s in slots} if slots is not None else None
         cleared: list[int] = []
         if self.state.update(lambda doc: _reconcile(doc, url, props.fingerprint, live, cleared)):
             log.info("%s: slots lost their KV (server restarted?): sessions will be restored", url)
             info.ram.forget()  # a restarted server's RAM cache is empty too
+        # Trusted only now that the lost claims are marked: a request's fast path reads
+        # `suspect` with no lock, and one let in before the write above was "kept" on an
+        # empty slot (seen in CI after a restart, during the start-up verification).
+        info.checked, info.suspect = True, False
         if cleared and not info.cleared_warned:
             info.cleared_warned = True
             log.warning("%s: slot(s) %s lost their session's KV while the same server kept "

@@ -8,11 +8,12 @@ import threading
 import time
 from pathlib import Path
 
+import requests
 from slotkeeper.identity.identity import Identity
 from slotkeeper.routing.router import Router
-from slotkeeper.routing.routes import RouterConfig
+from slotkeeper.routing.routes import Route, RouterConfig
 from slotkeeper.store.locks import SlotLocks
-from slotkeeper.store.state import StateFile
+from slotkeeper.store.state import SlotRecord, StateDoc, StateFile
 
 
 def make_router(tmp_path: Path) -> Router:
@@ -74,3 +75,36 @@ def test_warm_up_leaves_a_server_that_is_not_up_to_the_first_request(tmp_path):
     router.warm_up(["http://127.0.0.1:9"])  # nothing listens on the discard port
     assert router.upstreams.peek("http://127.0.0.1:9") is None
     assert not router.state.read().upstreams
+
+
+def test_no_request_keeps_a_slot_before_the_verification_has_marked_it_lost(llama, tmp_path):
+    """A restarted server's slot is empty while the state file still says a session owns it.
+    The verification marks that claim stale; until it has, the server must still count as
+    suspect, or a request arriving in between takes the fast path and is "kept" on an empty
+    slot (seen in CI: a proxy and its server both restarted, the first turn kept with
+    cache_n=0 while the start-up verification was between its /slots read and its write)."""
+    slot = 3
+    requests.post(f"{llama.url}/slots/{slot}?action=erase", timeout=10).raise_for_status()
+    router = make_router(tmp_path)
+    now = time.time()
+
+    def claim(doc: StateDoc) -> None:
+        doc.upstream(llama.url).slots[slot] = SlotRecord(
+            owner="returning", claimed=now, last_used=now, tokens=500)
+
+    router.state.update(claim)
+    routes_meanwhile: list[Route | None] = []
+    update = router.state.update
+
+    def update_after_a_request(change):
+        routes_meanwhile.append(router.try_keep(llama.url, ident("returning")))
+        return update(change)
+
+    router.state.update = update_after_a_request  # type: ignore[method-assign]
+    router.warm_up([llama.url])
+    for route in routes_meanwhile:
+        if route is not None:
+            route.release()
+    assert routes_meanwhile and all(r is None for r in routes_meanwhile), routes_meanwhile
+    assert router.state.read().upstreams[llama.url].slots[slot].stale
+    assert router.try_keep(llama.url, ident("returning")) is None
