@@ -44,6 +44,7 @@ from .observe.contentview import MitmwebView
 from .observe.streamed import StreamedBodies
 from .routing.router import Router
 from .store import backends
+from .store.state import StoreUnavailable
 from .routing.routes import CLIENT, KEPT, NoUpstream, Route
 from .surfaces.messages import AnthropicMessages
 from .surfaces.ollama_surface import OllamaSurface
@@ -188,6 +189,9 @@ class SlotKeeper:
             metrics.request(flow.request.path, "error")
             log.warning("%s: %s", ident.session_id, e)
             return None
+        except StoreUnavailable as e:  # said once by the store: no traceback a request
+            note_pass_through(flow, f"routing failed: {e}", marker="error")
+            return None
         except Exception as e:  # a bug or an unforeseen fault: the request still goes through
             log.exception("routing failed; forwarding unpinned")
             note_pass_through(flow, f"routing failed: {type(e).__name__}: {e}", marker="error")
@@ -295,6 +299,8 @@ class SlotKeeper:
             elif router is not None:
                 verified = await asyncio.get_running_loop().run_in_executor(
                     self.release_pool, router.finish, route, timings)
+        except StoreUnavailable as e:  # the answer went out; the store said so once
+            log.info("the end of a request not recorded: %s", e)
         except Exception:
             log.exception("recording the end of a request failed")
         finally:
@@ -333,8 +339,11 @@ class SlotKeeper:
         while self.in_flight > 0 and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if self.router is not None and self.router.folder is not None:
-            saved = await loop.run_in_executor(self.pool, self.router.accounting.save_all)
-            log.info("shutdown: saved %d sessions", saved)
+            try:
+                saved = await loop.run_in_executor(self.pool, self.router.accounting.save_all)
+                log.info("shutdown: saved %d sessions", saved)
+            except StoreUnavailable as e:  # etcd gone first: the slots still hold the KV
+                log.warning("shutdown: no session saved: %s", e)
         await close_client_connections(loop.time() + CLOSE_WAIT_SECONDS)
         self._close()
 
@@ -379,7 +388,9 @@ def in_background(pool: ThreadPoolExecutor) -> Callable[[Callable[[], None]], No
         def run() -> None:
             try:
                 write()
-            except Exception:  # StoreUnavailable included: the record is a hint
+            except StoreUnavailable as e:  # the record is a hint; the store said so once
+                log.info("a usage record not written: %s", e)
+            except Exception:
                 log.exception("writing a usage record failed")
 
         pool.submit(run)

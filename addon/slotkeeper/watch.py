@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
 
+from .store.state import StoreUnavailable
 from .upstream.models import split_key
 from .upstream.sentinel import InFlight, Sentinel
 
@@ -152,6 +153,9 @@ class IdleSaves:
 def _logged(func, *args):
     try:
         return func(*args)
+    except StoreUnavailable as e:  # said once by the store: one line, not a traceback
+        log.info("background %s skipped: %s", getattr(func, "__name__", func), e)
+        return False
     except Exception:
         log.exception("background %s failed", getattr(func, "__name__", func))
         return False

@@ -8,7 +8,9 @@ same with a try block, which costs less. Blocking except `keep`: worker threads.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 
@@ -173,12 +175,20 @@ class Walk:
         """The session's own slot if it still has one (kept, or restored into it), else the
         best slot, claimed and handed over. `move`: leave the slot running its other request."""
         live_ids = {s.id for s in slots}
-        for _attempt in range(5):
+        # Tried again until the lock timeout is spent, not a fixed number of times: a claim
+        # is refused when the slot's owner used it while we waited (its last_used changed),
+        # which with more busy sessions than slots is every other try. Five tries ran out in
+        # ~6 s in CI (4 sessions, 2 slots, 3 proxies) and the request went out unpinned,
+        # over another session's KV (docs/DESIGN.md, "Waiting for a slot").
+        deadline = time.monotonic() + self.config.lock_timeout
+        for attempt in itertools.count():
+            if attempt and time.monotonic() >= deadline:
+                break
             up = self.state.read().upstreams.get(url)
             owned = up.slot_of(ident.session_id) if up else None
             if owned is not None and owned in live_ids and not move:
                 route, again = self._own_slot(url, info, ident, owned, up.slots[owned].stale,
-                                              path, body)
+                                              path, body, deadline)
                 if again:
                     continue
                 if route is None:
@@ -189,7 +199,7 @@ class Walk:
             if not ranking:
                 return self._fallback(url, info, ident, "server reports no slots",
                                       self.config.lock_timeout)
-            lease, slot = self._lock_first_free(url, ranking)
+            lease, slot = self._lock_first_free(url, ranking, deadline)
             if lease is None:
                 break
             with ExitStack() as stack:
@@ -212,11 +222,12 @@ class Walk:
         return self._fallback(url, info, ident, "no slot could be locked in time", 0.0)
 
     def _own_slot(self, url: str, info: UpstreamInfo, ident: Identity, owned: int,
-                  stale: bool, path: str, body: dict | None) -> tuple[Route | None, bool]:
+                  stale: bool, path: str, body: dict | None,
+                  deadline: float) -> tuple[Route | None, bool]:
         """The session's claimed slot, under its lease: kept when its KV is still there,
         else restored into it. (route, False); (None, True): look again; (None, False): the
         slot stayed busy."""
-        lease = self.locks.acquire(url, owned, exclusive=stale, timeout=self.config.lock_timeout)
+        lease = self.locks.acquire(url, owned, exclusive=stale, timeout=until(deadline))
         if lease is None:
             return None, False
         with ExitStack() as stack:
@@ -253,7 +264,8 @@ class Walk:
         if not ranking:
             return self._fallback(url, info, ident, "server reports no slots",
                                   self.config.lock_timeout)
-        lease, slot = self._lock_first_free(url, ranking)
+        lease, slot = self._lock_first_free(url, ranking,
+                                            time.monotonic() + self.config.lock_timeout)
         if lease is None:
             self.saves.mark_all_stale(url)
             return Route(url, ident.session_id, ident.rule, None, UNPINNED,
@@ -304,16 +316,22 @@ class Walk:
             ranking = [s for s in ranking if s != avoid] or ranking
         return ranking
 
-    def _lock_first_free(self, url: str, ranking: list[int]) -> tuple[SlotLease | None, int]:
+    def _lock_first_free(self, url: str, ranking: list[int],
+                         deadline: float) -> tuple[SlotLease | None, int]:
         for slot in ranking:
             lease = self.locks.try_acquire(url, slot, exclusive=True)
             if lease is not None:
                 return lease, slot
         best = ranking[0]
-        return self.locks.acquire(url, best, True, self.config.lock_timeout), best
+        return self.locks.acquire(url, best, True, until(deadline)), best
 
     def _live_elsewhere(self, url: str) -> set[str]:
         return {u for u in self.config.upstreams if u != url and self.placeable(u)}
+
+
+def until(deadline: float) -> float:
+    """The seconds left before `deadline` (time.monotonic), never negative."""
+    return max(0.0, deadline - time.monotonic())
 
 
 def side_costs(slots: list[SlotView], up) -> dict[int, tuple[bool, int]]:
