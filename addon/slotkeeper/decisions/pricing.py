@@ -118,15 +118,15 @@ def save_now(predicted_stall: float | None, others_generating: bool, budget: flo
     """May a save that need not happen now (idle, periodic) run now? The server writes a slot
     on its main loop, so while it does no other slot produces a token and no new request
     starts. A save whose predicted stall (its bytes at the measured save speed) fits the
-    budget runs at once. Unknown (no save measured yet on this server): it runs, which
-    measures it, unless another slot generates or it `holds_answer` (a growth save after an
-    answer: the answer's end waits for it); measured at the bench's cap, a first save of 5,880
-    tokens held an answer's end 3.9 s, and another one stopped a stream for 3.8 s. A longer one
-    runs only when the server is quiet: no other slot generating and nothing sent to or
-    answered by it for a while (`quiet`), so that it delays nobody; never on an answer's
-    path."""
-    if predicted_stall is None:  # not measured yet: run it where it stalls nobody's stream
-        return not holds_answer and not others_generating
+    budget runs at once. Unknown (no save measured yet on this server) or longer: it runs only
+    when the server is quiet: no other slot generating and nothing sent to or answered by it
+    for a while (`quiet`), so that it delays nobody; never on an answer's path (`holds_answer`:
+    a growth save after an answer, whose end waits for it). Measured at the bench's cap, a
+    first save of 5,880 tokens held an answer's end 3.9 s, another one stopped a stream for
+    3.8 s, and one started between two agents' turns (nobody generating, not quiet) held the
+    next turn 1.4 s."""
+    if predicted_stall is None:  # not measured yet: as long as any, for all we know
+        return not holds_answer and not others_generating and quiet
     if predicted_stall <= budget:
         return True
     return not holds_answer and not others_generating and quiet

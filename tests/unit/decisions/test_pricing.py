@@ -109,10 +109,13 @@ def test_a_save_within_the_budget_runs_beside_other_streams():
     assert pricing.save_now(predicted_stall=0.007, others_generating=True, budget=0.5)
 
 
-def test_a_save_of_unknown_cost_runs_and_so_measures_the_speed():
+def test_a_save_of_unknown_cost_runs_on_a_quiet_server_and_so_measures_the_speed():
     assert pricing.save_now(predicted_stall=None, others_generating=False, budget=0.5)
     # not while another slot streams: it may take seconds
     assert not pricing.save_now(predicted_stall=None, others_generating=True, budget=0.5)
+    # nor between two turns of a busy server: the next turn would wait for it
+    assert not pricing.save_now(predicted_stall=None, others_generating=False, budget=0.5,
+                                quiet=False)
     # but not on an answer's path: the idle save measures it, off that path
     assert not pricing.save_now(predicted_stall=None, others_generating=False, budget=0.5,
                                 holds_answer=True)
