@@ -29,12 +29,10 @@ class ReturnTimes:
         self._mutex = threading.Lock()
 
     def came_back(self, session: str) -> None:
-        """A request of the session starts, none of its others running. Counted once: the
-        end is taken, so a second try of the same request (the fast path's, then the slow
-        path's) finds none."""
+        """A request of the session starts, none of its others running."""
         now = self.clock()
         with self._mutex:
-            ended = self._ended.pop(session, None)
+            ended = self._ended.get(session)
             if ended is None or now < ended:
                 return
             wait = now - ended

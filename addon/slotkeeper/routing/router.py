@@ -136,7 +136,7 @@ class Router:
             self.sessions.leave(url, ident.session_id)
             raise
         if route is None:
-            self.sessions.leave(url, ident.session_id, tried=True)  # the slow path follows
+            self.sessions.leave(url, ident.session_id)
             return None
         return self._begin(route, ident, started)
 
@@ -172,7 +172,7 @@ class Router:
                 try:
                     route = self.walk.walk(url, ident, client_slot, path, body, running)
                 except ClaimedElsewhere:
-                    self.sessions.leave(url, session, tried=True)
+                    self.sessions.leave(url, session)
                     continue
                 except BaseException:
                     self.sessions.leave(url, session)
