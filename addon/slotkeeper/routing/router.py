@@ -39,7 +39,6 @@ from .firstturns import FirstTurns
 from .handover import Handover
 from .model_swaps import ModelSwaps, Prepared
 from .pool import Pool
-from .returns import ReturnTimes
 from .routes import OWNING, UNPINNED, ClaimedElsewhere, NoUpstream, Route, RouterConfig
 from .sessions import Sessions
 from .walk import Walk
@@ -70,8 +69,7 @@ class Router:
         kinds = Kinds(config.slots_timeout, config.api_key)
         self.upstreams = Upstreams(state, config.slots_timeout, config.api_key,
                                    make_client=kinds.client, ram_limit=config.ram_cache_bytes)
-        self.sessions = Sessions(state, config.small_request_chars, config.upstreams,
-                                ReturnTimes(clock))
+        self.sessions = Sessions(state, config.small_request_chars, config.upstreams)
         self.saves = Saves(state, self.snapshots, config.min_save_tokens, config.stall_budget,
                            config.write_budget)
         self.pool = Pool(config, state, locks, folder, clock, self.upstreams, self.sessions,

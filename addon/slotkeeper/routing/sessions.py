@@ -16,7 +16,6 @@ from ..decisions.policy import Conversation
 from ..identity.identity import Identity
 from ..store.memories import MAX_REMEMBERED_SESSIONS, Recent
 from ..store.state import SlotRecord, StateFile
-from .returns import ReturnTimes
 from .routes import count_down
 
 MAX_FORKS_PER_OPENING = 16
@@ -31,9 +30,8 @@ class Sessions:
     leases, servers (it only reads claims from the state file)."""
 
     def __init__(self, state: StateFile, small_request_chars: int,
-                 upstreams: tuple[str, ...], returns: ReturnTimes) -> None:
+                 upstreams: tuple[str, ...]) -> None:
         self.state = state
-        self.returns = returns  # told when a session comes and goes
         self.small_request_chars = small_request_chars
         self.pool_urls = upstreams
         # (upstream, session) -> the session's main conversation as last routed here.
@@ -56,7 +54,6 @@ class Sessions:
         self.conversations.update(old.conversations)
         self.openings.update(old.openings)
         self.chains.update(old.chains)
-        self.returns = old.returns
 
     def resolve(self, url: str, ident: Identity) -> Identity:
         """A content-identified request continues the conversation it extends, or forks a
@@ -183,8 +180,6 @@ class Sessions:
         with self._changed:
             before = self._running.get(key, 0)
             self._running[key] = before + 1
-        if before == 0:
-            self.returns.came_back(session)
         return before
 
     def leave(self, url: str, session: str, finishing: bool = False) -> None:
@@ -195,9 +190,6 @@ class Sessions:
             if finishing:
                 count_down(self._finishing, key)
             self._changed.notify_all()
-            gone = key not in self._running
-        if gone:
-            self.returns.went(session)
 
     def finishing(self, url: str, session: str) -> None:
         """A running request of the session sent its answer's final event: only its

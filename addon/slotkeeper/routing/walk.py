@@ -311,9 +311,7 @@ class Walk:
 
     def _ranking(self, slots: list[SlotView], claims: dict, avoid: int | None) -> list[int]:
         """The slots best first (choice.rank_slots); `avoid` last-resort only."""
-        now = self.clock()
-        ranking = choice.rank_slots(slots, claims, now, self.config.ttl,
-                                    self.sessions.returns.expected_back(claims.values(), now))
+        ranking = choice.rank_slots(slots, claims, self.clock(), self.config.ttl)
         if avoid is not None:
             ranking = [s for s in ranking if s != avoid] or ranking
         return ranking
