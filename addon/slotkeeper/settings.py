@@ -83,8 +83,12 @@ def _declare_save_timing(loader) -> None:
                       "left for the server to park there and bring back, instead of a disk "
                       "save and restore (needs the server's default --slot-prompt-similarity; "
                       "answers that show a miss send the next ones to the disk). 0: do not "
-                      "count on it (set 0 for servers run with --cache-ram 0 or -sps 0); -1: "
-                      "no limit.")
+                      "count on it (set 0 for servers run with --cache-ram 0); -1: no limit.")
+    loader.add_option("slotkeeper_upstream_slot_similarity", str, "0.1",
+                      "llama-server's --slot-prompt-similarity (0.1 by default; /props does "
+                      "not report it) as slotkeeper counts on it: a request pinned to a slot "
+                      "goes through the server's RAM cache when its similarity to the slot is "
+                      "at or below it. 0: the server never does (-sps 0).")
     loader.add_option("slotkeeper_write_budget_mb_per_hour", int, 8192,
                       "MiB that idle and periodic saves may write into the slot folder within "
                       "an hour (0: no limit); past it they are skipped until the hour's "
@@ -171,6 +175,7 @@ def check(opts) -> tuple[str, ...]:
                  "slotkeeper_write_budget_mb_per_hour"):
         if getattr(opts, name) < 0:
             raise exceptions.OptionsError(f"{name} must be 0 or more")
+    slot_similarity_of(opts)
     if opts.slotkeeper_upstream_cache_ram_mb < -1:
         raise exceptions.OptionsError("slotkeeper_upstream_cache_ram_mb must be -1 (no limit), "
                                       "0 (not counted on) or more")
@@ -271,6 +276,20 @@ def build(opts, previous: backends.Store | None = None) -> Settings:
         store=store)
 
 
+def slot_similarity_of(opts) -> float:
+    """The servers' --slot-prompt-similarity, as llama-server reads it: a number from 0 to 1."""
+    text = opts.slotkeeper_upstream_slot_similarity
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:  # NaN fails both
+        raise exceptions.OptionsError(
+            f"slotkeeper_upstream_slot_similarity must be a number from 0 to 1, like the "
+            f"server's --slot-prompt-similarity (0.1 by default), not {text!r}")
+    return value
+
+
 def router_config(opts, upstreams: tuple[str, ...]) -> RouterConfig:
     return RouterConfig(
         ttl=float(opts.slotkeeper_ttl),
@@ -283,6 +302,7 @@ def router_config(opts, upstreams: tuple[str, ...]) -> RouterConfig:
         save_every_tokens=opts.slotkeeper_save_every_tokens,
         stall_budget=opts.slotkeeper_stall_budget_ms / 1000,
         ram_cache_bytes=opts.slotkeeper_upstream_cache_ram_mb * 2**20,
+        slot_similarity=slot_similarity_of(opts),
         write_budget=opts.slotkeeper_write_budget_mb_per_hour * 2**20,
         seed_min_chars=opts.slotkeeper_seed_min_chars,
         max_seeds=opts.slotkeeper_max_seeds,

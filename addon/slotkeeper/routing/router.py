@@ -68,7 +68,8 @@ class Router:
                  if self.snapshots is not None else None)
         kinds = Kinds(config.slots_timeout, config.api_key)
         self.upstreams = Upstreams(state, config.slots_timeout, config.api_key,
-                                   make_client=kinds.client, ram_limit=config.ram_cache_bytes)
+                                   make_client=kinds.client, ram_limit=config.ram_cache_bytes,
+                                   sps=config.slot_similarity)
         self.sessions = Sessions(state, config.small_request_chars, config.upstreams)
         self.saves = Saves(state, self.snapshots, config.min_save_tokens, config.stall_budget,
                            config.write_budget)

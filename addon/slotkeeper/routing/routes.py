@@ -40,6 +40,7 @@ class RouterConfig:
     stall_budget: float = 0.5  # seconds a save that can wait may stall other slots' streams
     # the servers' --cache-ram as slotkeeper counts on it (0: not at all; -1: no limit)
     ram_cache_bytes: float = 8192 * 2**20
+    slot_similarity: float = 0.1  # the servers' --slot-prompt-similarity as counted on
     write_budget: float = 8192 * 2**20  # bytes an hour saves that can wait may write (0: any)
     seed_min_chars: int = 2000  # system prompts (plus tools) at least this long get a seed
     max_seeds: int = 8

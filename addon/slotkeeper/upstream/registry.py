@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..decisions import fingerprints, policy
-from ..decisions.ramcache import DEFAULT_LIMIT_BYTES, RamModel
+from ..decisions.ramcache import DEFAULT_LIMIT_BYTES, DEFAULT_SPS, RamModel
 from ..store.memories import MAX_REMEMBERED_SESSIONS, Recent, Seen
 from ..store.state import StateDoc, StateFile
 from .client import ServerProps, SlotsUnavailable, Upstream, UpstreamError
@@ -69,9 +69,10 @@ class Upstreams:
 
     def __init__(self, state: StateFile, slots_timeout: float, api_key: str = "",
                  make_client: Callable[..., Upstream] = Upstream,
-                 ram_limit: float = DEFAULT_LIMIT_BYTES) -> None:
+                 ram_limit: float = DEFAULT_LIMIT_BYTES, sps: float = DEFAULT_SPS) -> None:
         self.state = state
         self.ram_limit = ram_limit  # the servers' --cache-ram as slotkeeper counts on it
+        self.sps = sps  # and their --slot-prompt-similarity
         self.slots_timeout = slots_timeout
         self.api_key = api_key  # llama-server's --api-key, on our own calls (issue #21)
         self.make_client = make_client  # a model's key gets a client bound to it (models.py)
@@ -95,7 +96,7 @@ class Upstreams:
                 info = UpstreamInfo(self.make_client(url, timeout=self.slots_timeout,
                                                      api_key=self.api_key,
                                                      on_hang=lambda: self.mark_suspect(url)),
-                                    ram=RamModel(self.ram_limit))
+                                    ram=RamModel(self.ram_limit, self.sps))
                 self._infos[url] = info
             return info
 

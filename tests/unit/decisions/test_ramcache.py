@@ -133,3 +133,14 @@ def test_only_copy_of_names_a_parked_session_of_the_prompt_that_no_slot_holds():
     assert ram.only_copy_of("sys3", resident=set()) == "c"
     ram.take("c")
     assert ram.only_copy_of("sys3", resident=set()) is None
+
+
+def test_with_a_higher_similarity_threshold_one_system_prompt_swaps_too():
+    """six-agents' handover: the slot holds 856 tokens of another agent, 612 of them the
+    shared system prompt, the request 950 tokens. At the default 0.1 the server keeps the
+    shared prompt (f_keep 0.71): a hand-back is needed. At 0.8 the request's similarity, 0.64,
+    does not count and the server swaps through its cache by itself."""
+    assert not server_swaps(856, 612, 950)
+    assert server_swaps(856, 612, 950, sps=0.8)
+    # a turn that extends its own slot (similarity 0.9) is not swapped at 0.8
+    assert not server_swaps(856, 856, 950, sps=0.8)

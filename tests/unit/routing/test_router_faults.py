@@ -324,6 +324,25 @@ def test_fault6_slots_timeout_zero_is_refused(tmp_path):
                            slotkeeper_slots_timeout_ms=0)
 
 
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "nan", "high", ""])
+def test_fault6_a_slot_similarity_that_is_not_0_to_1_is_refused(tmp_path, value):
+    keeper = SlotKeeper()
+    with taddons.context(keeper) as tctx:
+        with pytest.raises(exceptions.OptionsError, match="slot_similarity.*0 to 1"):
+            tctx.configure(keeper, slotkeeper_state_file=str(tmp_path / "state.json"),
+                           slotkeeper_upstream_slot_similarity=value)
+
+
+def test_the_servers_slot_similarity_reaches_the_ram_model(tmp_path):
+    keeper = SlotKeeper()
+    with taddons.context(keeper) as tctx:
+        tctx.configure(keeper, slotkeeper_state_file=str(tmp_path / "state.json"),
+                       slotkeeper_upstream_slot_similarity="0.8")
+        assert keeper.router.upstreams.get("http://127.0.0.1:1").ram.sps == 0.8
+        tctx.configure(keeper, slotkeeper_upstream_slot_similarity="0")
+        assert not keeper.router.upstreams.get("http://127.0.0.1:2").ram.enabled
+
+
 def test_fault6_ipv6_upstream_keeps_its_brackets():
     flow = tflow.tflow()
     flow.request.host, flow.request.port, flow.request.scheme = "::1", 8080, "http"
