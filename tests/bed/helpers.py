@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,3 +91,13 @@ def started_from_ram(log: str, session: str) -> bool:
     RAM cache to start from its idle parent's prefix there (routing/ramhandover.py)?"""
     return any(session in line and "prefix expected from it" in line
                for line in log.splitlines())
+
+
+def eventually(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Whether `predicate` came true within `timeout` seconds (polled every 0.2 s)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True

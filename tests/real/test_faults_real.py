@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import requests
 from fake_upstream import FakeFaultyLlama, Fault
+from helpers import eventually
 from reliability import problems_in, reliability  # noqa: F401  (reliability: the fixture)
 from testbed import LlamaServer, Proxy, long_system_prompt
 from throttlefs import ThrottledFolder
@@ -456,7 +457,9 @@ def test_server_without_slot_save_path(make_llama, make_proxy, slot_dir, llama, 
     sessions = [Session(f"nosave-{i}") for i in range(3)]  # 3 sessions, 2 slots: handovers
     answers = [s.ask(proxy.url, "Hello?") for s in sessions]
     answers.append(sessions[0].ask(proxy.url, "Once more?"))  # its slot went to nosave-2
-    time.sleep(1.5)  # idle saves would run now
+    # idle saves run once the server has been quiet for 2 s (the first save's length is not
+    # known yet): the refused ones are logged then
+    eventually(lambda: "without --slot-save-path" in proxy.log_text(), timeout=15)
     assert all(a.status == 200 for a in answers)
     assert {a.action for a in answers} <= {"assigned", "kept"}, [a.action for a in answers]
     assert not list(slot_dir.iterdir())

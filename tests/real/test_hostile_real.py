@@ -22,6 +22,7 @@ from urllib.parse import quote
 
 import pytest
 import requests
+from helpers import eventually
 from reliability import problems_in, reliability  # noqa: F401  (reliability: the fixture)
 from testbed import LlamaServer, Proxy
 
@@ -157,9 +158,13 @@ def test_hostile_session_ids_stay_in_the_slot_folder(proxy, llama, reliability):
             sessions[f"header {case}"] = headers["x-slotkeeper-session"]
         else:  # control characters, a line over 8 KB: llama-server's HTTP parser refuses the
             assert status == 400, (case, status)  # forwarded header (as it would directly)
-    time.sleep(2.5)  # idle saves of every session
-    saved = [sid for sid in dict.fromkeys(sessions.values())  # body and header: one session
-             if (slot_dir / file_name_for(sid)).with_suffix(".json").exists()]
+    def saved_now() -> list[str]:
+        return [sid for sid in dict.fromkeys(sessions.values())  # body and header: one session
+                if (slot_dir / file_name_for(sid)).with_suffix(".json").exists()]
+
+    # idle saves of every session, once the server has been quiet for 2 s
+    eventually(lambda: len(saved_now()) == len(set(sessions.values())), timeout=20)
+    saved = saved_now()
     # (the last one may still be saving)
     assert len(saved) >= len(set(sessions.values())) - 1, (saved, sessions)
     for path in slot_dir.iterdir():
