@@ -189,7 +189,7 @@ class SlotKeeper:
             metrics.request(flow.request.path, "error")
             log.warning("%s: %s", ident.session_id, e)
             return None
-        except StoreUnavailable as e:  # said once by the store: no traceback a request
+        except StoreUnavailable as e:  # the store said so once: no traceback per request
             note_pass_through(flow, f"routing failed: {e}", marker="error")
             return None
         except Exception as e:  # a bug or an unforeseen fault: the request still goes through

@@ -81,8 +81,9 @@ def _declare_save_timing(loader) -> None:
                       "llama-server's --cache-ram (its RAM prompt cache, 8192 MiB by default) as "
                       "slotkeeper counts on it: a session handed over to a dissimilar one is "
                       "left for the server to park there and bring back, instead of a disk "
-                      "save and restore (needs the server's default --slot-prompt-similarity; "
-                      "answers that show a miss send the next ones to the disk). 0: do not "
+                      "save and restore (needs a --slot-prompt-similarity above 0, "
+                      "slotkeeper_upstream_slot_similarity; answers that show a miss send the "
+                      "next ones to the disk). 0: do not "
                       "count on it (set 0 for servers run with --cache-ram 0); -1: no limit.")
     loader.add_option("slotkeeper_upstream_slot_similarity", str, "0.1",
                       "llama-server's --slot-prompt-similarity (0.1 by default; /props does "

@@ -178,8 +178,8 @@ class Walk:
         # Tried again until the lock timeout is spent, not a fixed number of times: a claim
         # is refused when the slot's owner used it while we waited (its last_used changed),
         # which with more busy sessions than slots is every other try. Five tries ran out in
-        # ~6 s in CI (4 sessions, 2 slots, 3 proxies) and the request went out unpinned,
-        # over another session's KV (docs/DESIGN.md, "Waiting for a slot").
+        # 6.2 s in a run of the etcd test (4 sessions, 2 slots, 3 proxies) and the request went
+        # out without a lease, over another session's KV (docs/DESIGN.md, "Waiting for a slot").
         deadline = time.monotonic() + self.config.lock_timeout
         for attempt in itertools.count():
             if attempt and time.monotonic() >= deadline:
