@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import requests
-from helpers import QUESTIONS, Conversation
+from helpers import QUESTIONS, Conversation, eventually
 from testbed import long_system_prompt
 
 TTL = 3  # seconds: a killed proxy's slot leases must be gone within this
@@ -174,12 +174,20 @@ def test_etcd_members_lost_and_back(proxy_hosts, make_llama, make_proxy, make_et
     etcd.kill(0)  # one member of three: nothing changes
     t2 = c.ask(b.url, "Another one?")
     assert t2.action == "kept", t2
-    etcd.kill(1)  # quorum lost: still answered, unpinned
+    etcd.kill(1)  # quorum lost: still answered
+    # At once, A may still keep the turn from memory (CI saw it): its key on the slot lives
+    # as long as its lease is sure to, and nobody can take the slot before. Unpinned is right
+    # too. Either way the answer comes, and a kept turn must find its KV.
     t3 = c.ask(a.url, "And a third?")
+    assert t3.action in (None, "kept"), t3
+    # Once each proxy's keep-alive has found etcd gone (a third of the TTL, then its probes),
+    # nothing is pinned: no lease is sure to live any more.
+    assert eventually(lambda: store_reachable(a) == 0 and store_reachable(b) == 0, TTL + 5)
     t4 = c.ask(b.url, "And a fourth?")
-    print(f"quorum lost: actions {t3.action}, {t4.action}")
-    assert all(t.action is None for t in (t3, t4)), (t3, t4)
-    assert store_reachable(a) == 0
+    t5 = c.ask(a.url, "And a fifth?")
+    print(f"quorum lost: actions {t3.action}, then {t4.action}, {t5.action}")
+    assert t4.action is None and t5.action is None, (t4, t5)
+    assert_kept_turns_found_their_kv([c])
     b.stop()  # graceful, with no store to read what it holds: one clear line
     assert "shutdown: no session saved: etcd" in b.log_text(), b.log_text()[-3000:]
     assert "Traceback" not in b.log_text(), b.log_text()[-3000:]

@@ -35,6 +35,9 @@ REQUEST_TIMEOUT = 2.0  # one call to one member; a lost quorum answers nothing u
 # A probe is one small read: a member with a quorum answers it in milliseconds, so a short
 # bound keeps the members still without a leader from delaying the return of the others.
 PROBE_TIMEOUT = 0.5
+# Spared from the lease's sure life: a kept request decided from memory starts within
+# milliseconds of the check; this covers that and the clocks' rate difference many times.
+LEASE_MARGIN = 0.25
 
 
 def b64(data: str | bytes) -> str:
@@ -74,6 +77,10 @@ class EtcdConnection:
         self.down_since: float | None = None  # monotonic; None while etcd answers
         self.failures = 0  # calls that found every endpoint down (a counter for /metrics)
         self._lease_id: int | None = None
+        # Until when (monotonic) the lease is sure to live: the send time of its last grant
+        # or refresh plus the TTL etcd answered. A key on it is ours until then even if etcd
+        # stops answering, and not one moment longer (the fast path asks, `lease_alive`).
+        self._lease_alive_until = -float("inf")
         self._lease_mutex = threading.Lock()
         self._pending_deletes: list[Callable[[], Any]] = []  # releases etcd did not get
         self.request_timeout = REQUEST_TIMEOUT
@@ -94,6 +101,15 @@ class EtcdConnection:
     @property
     def reachable(self) -> bool:
         return self.down_since is None
+
+    @property
+    def lease_alive(self) -> bool:
+        """Whether this process's lease is sure to be alive now (LEASE_MARGIN to spare)."""
+        return time.monotonic() < self._lease_alive_until - LEASE_MARGIN
+
+    def _lived(self, sent: float, answer: dict) -> None:
+        ttl = int(answer.get("TTL", answer.get("result", {}).get("TTL", -1)))
+        self._lease_alive_until = sent + ttl if ttl > 0 else -float("inf")
 
     @property
     def closed(self) -> bool:
@@ -163,9 +179,11 @@ class EtcdConnection:
         unlike ai-dynamo #3493 where an expired lease restarted every service)."""
         with self._lease_mutex:
             if self._lease_id is None:
+                sent = time.monotonic()
                 granted = self.call(lambda c: c.post(c.get_url("/lease/grant"),
                                                      json={"TTL": self.lease_ttl, "ID": 0}))
                 self._lease_id = int(granted["ID"])
+                self._lived(sent, granted)
             return self._lease_id
 
     def _refresh(self) -> None:
@@ -174,8 +192,10 @@ class EtcdConnection:
         if lease_id is None:
             self.call(self.probe, probe=True)
             return
+        sent = time.monotonic()
         answer = self.call(lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": lease_id}),
                            probe=True)
+        self._lived(sent, answer)
         if int(answer.get("result", {}).get("TTL", -1)) <= 0:
             log.warning("etcd lease %x expired (etcd was unreachable for longer than %d s): "
                         "the slot locks held on it are gone; a new lease is taken",

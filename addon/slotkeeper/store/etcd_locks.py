@@ -88,9 +88,12 @@ class EtcdLocks:
 
     def _usable(self, held: _Held, loop: bool) -> bool:
         """On the loop, the state copy must hold the key's put already; a worker's next
-        state read waits for it (`need`)."""
+        state read waits for it (`need`). And the lease the key hangs on must be sure to be
+        alive: with etcd cut off, nobody else can take the slot until it runs out, and from
+        then on anybody may (the keep-alive notices a dead etcd only on its next refresh)."""
         return (not held.wanted and not held.gone and held.revision != math.inf
-                and self.conn.reachable and (not loop or self.mirror.current(held.revision)))
+                and self.conn.reachable and self.conn.lease_alive
+                and (not loop or self.mirror.current(held.revision)))
 
     def _shared(self, base: str) -> SlotLease | None:
         loop = on_event_loop()

@@ -93,6 +93,31 @@ def test_a_cluster_down_fails_fast_and_pinning_comes_back(tmp_path, make_etcd):
         store.close()
 
 
+def test_a_lingering_key_is_used_only_while_its_lease_is_sure_to_live(
+        tmp_path, etcd_cluster, monkeypatch):
+    """A shared key kept from an earlier request is reused with no round trip, but only while
+    the lease it hangs on is sure to be alive: past the TTL since its last refresh, another
+    process may have taken the slot, even if this one has not yet seen etcd fail."""
+    store = open_store(tmp_path / "s.json", etcd_cluster.endpoints, "/linger/", lease_ttl=2)
+    try:
+        first = store.locks.try_acquire("u", 0, exclusive=False)
+        assert first is not None
+        first.release()
+        assert store.etcd.flush()
+        again = store.locks.try_acquire("u", 0, exclusive=False)
+        assert again is not None, "the lingering key was not reused"
+        again.release()
+        # The keep-alive silenced, as when every call to a cut-off cluster hangs: nothing has
+        # failed yet, so etcd still counts as reachable.
+        monkeypatch.setattr(store.etcd, "_refresh", lambda: None)
+        time.sleep(2.1)
+        assert store.etcd.reachable and not store.etcd.lease_alive
+        assert store.locks.try_acquire("u", 0, exclusive=False) is None
+    finally:
+        monkeypatch.undo()
+        store.close()
+
+
 def test_one_member_of_three_down_changes_nothing(tmp_path, make_etcd):
     cluster = make_etcd(3)
     store = open_store(tmp_path / "s.json", cluster.endpoints, "/member/")
