@@ -37,6 +37,11 @@ MAX_DISTRUST = 64
 # A hand-back (routing/ramhandover.py) costs one small completion: 31-59 ms on the test bed,
 # the prefill of ~16 of its tokens. It is sent only when it gives back at least that much.
 HAND_BACK_MIN_GAIN = 16
+# Predicting a swap from characters (`swap_predicted`): each ratio must clear its threshold by
+# this much, and the shared part counts this many characters more than its items (the chat
+# template's tokens between them, and the start two next messages may have in common).
+SWAP_MARGIN = 0.05
+SHARED_SLACK_CHARS = 64
 # A new conversation loads its parent's entry only if the parent keeps at least this share of
 # itself in the load (the server's LOAD_MIN_KEEP, plus a margin for the parent's reply, which
 # the estimate from characters does not see).
@@ -86,16 +91,24 @@ def prefix_load_pays(shared_tokens: int, donor_tokens: int, seed_tokens: int) ->
     return shared_tokens + HAND_BACK_MIN_GAIN >= seed_tokens
 
 
-def shared_estimate(outgoing_system: str | None, incoming_system: str | None,
-                    outgoing_is_parent: bool) -> int | None:
-    """Tokens the slot's session (outgoing) and the incoming request share at the start, as
-    far as slotkeeper knows without tokenizing: 0 when both system blocks are known and differ
-    (their renders part after the chat template's first few tokens, far below sps); None
-    (unknown: could be most of the slot) when they are the same, one is unknown, or the
-    incoming session is the outgoing one's fork. None never predicts a swap."""
-    if outgoing_is_parent or not outgoing_system or not incoming_system:
-        return None
-    return 0 if outgoing_system != incoming_system else None
+def swap_predicted(shared_chars: int | None, slot_chars: int, slot_tokens: int,
+                   request_chars: int, sps: float = DEFAULT_SPS) -> bool:
+    """`server_swaps` as far as slotkeeper can tell without tokenizing, leaning to "no": a
+    wrong yes leaves the slot's unsaved tail to a cache the server never gave it, a wrong no
+    costs a hand-back call or a restore. `shared_chars`: the leading items (system block,
+    messages) the request and the slot's conversation have in common; 0 is next to nothing
+    (the chat template's first tokens: under any sps), None unknown (never a swap).
+    `slot_chars`: the slot's last prompt without its reply, so f_keep looks larger than it
+    is, which leans to "no" too."""
+    if shared_chars is None or sps <= 0 or slot_tokens <= 0 or request_chars <= 0:
+        return False
+    if shared_chars == 0:
+        return True
+    if slot_chars <= 0:
+        return False
+    shared = shared_chars + SHARED_SLACK_CHARS
+    return (shared / request_chars < sps - SWAP_MARGIN
+            or shared / slot_chars < KEEP_THRESHOLD - SWAP_MARGIN)
 
 
 @dataclass(frozen=True)

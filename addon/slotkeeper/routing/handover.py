@@ -19,7 +19,7 @@ from ..store.locks import SlotLease, SlotLocks
 from ..store.state import SlotRecord, StateFile
 from ..upstream.client import UpstreamError
 from ..upstream.registry import UpstreamInfo
-from .ramhandover import RamHandover
+from .ramhandover import RamHandover, SharedChars
 from .routes import ASSIGNED, RESTORED, SEEDED, Route
 
 log = logging.getLogger("slotkeeper")
@@ -34,13 +34,14 @@ class Handover:
     happens after the answer."""
 
     def __init__(self, state: StateFile, locks: SlotLocks, saves: Saves,
-                 snapshots: Snapshots | None, erase_on_handover: bool) -> None:
+                 snapshots: Snapshots | None, erase_on_handover: bool,
+                 shared_chars: SharedChars = lambda ident, rec: None) -> None:
         self.state = state
         self.locks = locks
         self.saves = saves
         self.snapshots = snapshots
         self.erase_on_handover = erase_on_handover
-        self.ram = RamHandover(saves, snapshots, erase_on_handover)
+        self.ram = RamHandover(saves, snapshots, erase_on_handover, shared_chars)
 
     def hand_over(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
                   lease: SlotLease, previous: SlotRecord | None, live_tokens: int,

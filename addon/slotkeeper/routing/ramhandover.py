@@ -20,6 +20,7 @@ shared system prompt of it. Blocking: worker threads, under the slot's exclusive
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from ..decisions import pricing, ramcache
 from ..decisions.ramcache import Entry
@@ -35,33 +36,39 @@ from .routes import ASSIGNED, Route
 
 log = logging.getLogger("slotkeeper")
 
+SharedChars = Callable[[Identity, SlotRecord], int | None]
+
 
 class RamHandover:
     """Owns: whether a handover goes through the server's RAM cache, the hand-back call, and
     the RAM model's bookkeeping of what was parked and taken. Does not touch: disk restores,
     seeds and prefixes (handover.py), which slot (the walk)."""
 
-    def __init__(self, saves: Saves, snapshots: Snapshots | None,
-                 erase_on_handover: bool) -> None:
+    def __init__(self, saves: Saves, snapshots: Snapshots | None, erase_on_handover: bool,
+                 shared_chars: SharedChars = lambda ident, rec: None) -> None:
         self.saves = saves
+        # the sessions room's: what a request shares with the conversation a slot holds
+        self.shared_chars = shared_chars
         self.snapshots = snapshots
         self.erase_on_handover = erase_on_handover
 
-    @staticmethod
-    def server_swaps(info: UpstreamInfo, ident: Identity, previous: SlotRecord | None,
+    def server_swaps(self, info: UpstreamInfo, ident: Identity, previous: SlotRecord | None,
                      live_tokens: int) -> bool:
         """Will the request, pinned to this slot as it is now (holding `previous`'s session),
-        go through llama-server's RAM cache (ramcache.server_swaps)? Only when what the two
-        share is known to be small: their system blocks differ (DESIGN, issue #31)."""
+        go through llama-server's RAM cache (ramcache.swap_predicted)? Only when what the two
+        share is known: from the slot's conversation as this process remembers it, else
+        nothing when their system blocks differ (DESIGN, issue #31)."""
         if (previous is None or previous.stale or previous.owner == ident.session_id
                 or not info.ram.enabled):
             return False
-        parent = ident.prefix is not None and ident.prefix.session == previous.owner
-        shared = ramcache.shared_estimate(previous.system_key or None, ident.seed_key, parent)
+        shared = self.shared_chars(ident, previous)
         if shared is None:
-            return False
-        return ramcache.server_swaps(max(previous.tokens, live_tokens), shared,
-                                     max(ident.prompt_chars // 4, 1), info.ram.sps)
+            parent = ident.prefix is not None and ident.prefix.session == previous.owner
+            differ = (not parent and bool(previous.system_key) and bool(ident.seed_key)
+                      and previous.system_key != ident.seed_key)
+            shared = 0 if differ else None
+        return ramcache.swap_predicted(shared, previous.chars, max(previous.tokens, live_tokens),
+                                       ident.prompt_chars, info.ram.sps)
 
     def nothing_to_restore(self, ident: Identity) -> bool:
         """No file of the session's own, of its seed or of a parent: nothing the handover could

@@ -76,7 +76,7 @@ class Router:
         self.pool = Pool(config, state, locks, folder, clock, self.upstreams, self.sessions,
                          self.saves)
         self.handover = Handover(state, locks, self.saves, self.snapshots,
-                                config.erase_on_handover)
+                                config.erase_on_handover, self.sessions.shared_chars)
         self.first_turns = FirstTurns(state, locks, self.upstreams, self.saves, self.snapshots,
                                       seeds, config.seed_min_chars, config.idle_work)
         self.walk = Walk(config, state, locks, clock, self.upstreams, self.sessions,

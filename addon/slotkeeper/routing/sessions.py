@@ -153,6 +153,17 @@ class Sessions:
         n = policy.common_prefix(ident.chain, chain)
         return ident.chain_chars[n - 1] if n else 0
 
+    def shared_chars(self, ident: Identity, rec: SlotRecord) -> int | None:
+        """Characters of the leading items (system block, messages) the request shares with
+        the conversation `rec`'s slot holds for another session, when this process remembers
+        that conversation's chain (None: unknown, e.g. claimed by another proxy)."""
+        chain = self.chains.get(rec.owner)
+        if (not chain or not ident.chain_chars or not rec.chain_head
+                or chain[-1] != rec.chain_head):
+            return None
+        n = policy.common_prefix(ident.chain, chain)
+        return ident.chain_chars[n - 1] if n else 0
+
     def remember(self, url: str, session: str, ident: Identity) -> Conversation:
         """The session's main conversation is now this request's."""
         conversation = Conversation.of(ident.chain, ident.seed_key, ident.prompt_chars)

@@ -15,7 +15,7 @@ from slotkeeper.decisions.ramcache import (
     hand_back_pays,
     prefix_load_pays,
     server_swaps,
-    shared_estimate,
+    swap_predicted,
 )
 
 
@@ -31,11 +31,18 @@ def test_server_swaps_as_get_available_slot(slot, shared, new, sps, swaps):
     assert server_swaps(slot, shared, new, sps) is swaps
 
 
-def test_shared_estimate_is_known_only_when_the_system_blocks_differ():
-    assert shared_estimate("a", "b", outgoing_is_parent=False) == 0
-    assert shared_estimate("a", "a", outgoing_is_parent=False) is None
-    assert shared_estimate(None, "b", outgoing_is_parent=False) is None
-    assert shared_estimate("a", "b", outgoing_is_parent=True) is None
+@pytest.mark.parametrize(("shared", "slot_chars", "request_chars", "sps", "swaps"), [
+    (0, 4000, 4400, 0.1, True),  # nothing in common but the template's first tokens
+    (None, 4000, 4400, 0.1, False),  # not known: never predicted
+    (2400, 3400, 3800, 0.1, False),  # one system block, most of the slot: kept
+    (2400, 12000, 3800, 0.1, True),  # the slot's tail is most of it
+    (2400, 3400, 3800, 0.8, True),  # similarity 0.65 under -sps 0.8
+    (2400, 3400, 3800, 0.0, False),  # -sps 0: never
+    (2400, 0, 3800, 0.1, False),  # the slot's characters not known
+])
+def test_swap_predicted_from_characters(shared, slot_chars, request_chars, sps, swaps):
+    assert swap_predicted(shared, slot_chars, 700, request_chars, sps) is swaps
+    assert not swap_predicted(shared, slot_chars, 0, request_chars, sps)  # an empty slot
 
 
 def test_park_take_and_oldest_first_eviction():

@@ -1,0 +1,66 @@
+"""When a handover of a slot to another session goes through llama-server's own RAM cache
+by itself (issue #31): what the two conversations share, against the slot (f_keep) and,
+under a high --slot-prompt-similarity, against the request; leaning to "no" where unsure."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from slotkeeper.decisions.ramcache import RamModel
+from slotkeeper.identity.identity import Identity
+from slotkeeper.routing.ramhandover import RamHandover
+from slotkeeper.store.state import SlotRecord
+
+
+def incoming(prompt_chars: int, system_key: str = "sys") -> Identity:
+    return Identity(session_id="b", rule="header x-session-id", parent_id=None,
+                    prompt_chars=prompt_chars, message_count=3, seed_key=system_key,
+                    system_chars=2400)
+
+
+def swaps(sps: float, slot_chars: int, prompt_chars: int, shared: int | None,
+          slot_system: str = "sys") -> bool:
+    """The slot holds session a's conversation of `slot_chars` (3,000 tokens); the request
+    shares `shared` characters of it as the sessions room remembers it (None: not known)."""
+    ram = RamHandover(saves=None, snapshots=None, erase_on_handover=False,
+                      shared_chars=lambda ident, rec: shared)
+    previous = SlotRecord(owner="a", claimed=1, last_used=1, tokens=3000,
+                          system_key=slot_system, chars=slot_chars)
+    return ram.server_swaps(SimpleNamespace(ram=RamModel(sps=sps)), incoming(prompt_chars),
+                            previous, live_tokens=0)
+
+
+def test_the_same_system_block_keeps_a_short_slot_at_the_default_threshold():
+    # f_keep 2,400/3,400: the server keeps the slot (a hand-back's case)
+    assert not swaps(0.1, slot_chars=3400, prompt_chars=3800, shared=2400)
+
+
+def test_the_same_system_block_swaps_a_long_slot_at_the_default_threshold():
+    # f_keep 2,400/12,000: the server parks the slot in RAM and loads the request's entry
+    assert swaps(0.1, slot_chars=12000, prompt_chars=3800, shared=2400)
+
+
+def test_under_a_high_threshold_the_same_system_block_swaps_by_itself():
+    # six-agents' handover: f_sim 2,400/3,800 = 0.63, under 0.8: counted as nothing kept
+    assert swaps(0.8, slot_chars=3400, prompt_chars=3800, shared=2400)
+    # a request that is mostly what it shares with the slot is kept
+    assert not swaps(0.8, slot_chars=3400, prompt_chars=2800, shared=2400)
+
+
+def test_near_a_threshold_it_leans_to_no_swap():
+    # f_keep 0.49 by characters: the server may count a few more tokens shared and keep it
+    assert not swaps(0.1, slot_chars=5000, prompt_chars=3800, shared=2450)
+    assert not swaps(0.8, slot_chars=3400, prompt_chars=3050, shared=2400)  # f_sim 0.79
+
+
+def test_what_is_shared_is_counted_from_the_conversations_not_the_system_block_alone():
+    # they share the system block and two example exchanges: a swap predicted from the
+    # system block alone (2,400 of 5,000) would leave the slot's tail to a cache that never
+    # got it (the short-system-prompt test saw it)
+    assert not swaps(0.1, slot_chars=5000, prompt_chars=5200, shared=3300)
+
+
+def test_unknown_conversations_swap_only_when_the_system_blocks_differ():
+    assert not swaps(0.8, slot_chars=3400, prompt_chars=3800, shared=None)
+    assert swaps(0.1, slot_chars=3400, prompt_chars=3800, shared=None, slot_system="other")
+    assert not swaps(0.0, slot_chars=12000, prompt_chars=3800, shared=None, slot_system="other")
