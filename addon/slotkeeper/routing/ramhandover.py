@@ -27,7 +27,7 @@ from ..decisions.ramcache import Entry
 from ..identity.identity import Identity
 from ..observe import metrics
 from ..snapshots.saves import Saves
-from ..snapshots.snapshots import Snapshots, seed_id
+from ..snapshots.snapshots import Snapshots, hand_back_id, seed_id
 from ..store.locks import SlotLease
 from ..store.state import SlotRecord, UpstreamRecord
 from ..upstream.client import UpstreamError
@@ -145,11 +145,11 @@ class RamHandover:
                  and self.saves.save_if_worth(url, info, slot, previous, live_tokens))
         how = f"{previous.owner} left to the server's RAM cache"
         if hand_back:
-            failed = self._hand_back(url, info, ident, slot, lease, previous, live_tokens,
-                                     saved)
+            failed, way = self._hand_back(url, info, ident, slot, lease, previous, live_tokens,
+                                          saved)
             if failed is not None:
                 return failed
-            how = f"slot {slot} handed back to the server's RAM cache with {previous.owner}"
+            how = f"slot {slot} handed back{way} to the server's RAM cache with {previous.owner}"
         self.park(info, previous, live_tokens)
         info.ram.take(session)
         metrics.eviction("session", saved)
@@ -195,7 +195,9 @@ class RamHandover:
             return None
         saved = leaving and not self.keeps(info, previous, live_tokens) and \
             self.saves.save_if_worth(url, info, slot, previous, live_tokens)
-        failed = self._hand_back(url, info, ident, slot, lease, previous, live_tokens, saved)
+        # the file only if the parent is in the cache already: the call's start copies it
+        failed, way = self._hand_back(url, info, ident, slot, lease, previous, live_tokens,
+                                      saved, donor=prefix.session)
         if failed is not None:
             return failed
         if leaving:  # its opening differs: its entry is never the one loaded
@@ -203,20 +205,26 @@ class RamHandover:
             metrics.eviction("session", saved)
         self.saves.mark_fresh(url, slot, session, shared, kept_on_disk=False)
         return Route(url, session, ident.rule, slot, ASSIGNED, lease=lease,
-                     detail=f"slot {slot} handed back to the server's RAM cache: ~{shared:,} "
-                            f"tokens of {prefix.session}'s prefix expected from it",
+                     detail=f"slot {slot} handed back{way} to the server's RAM cache: "
+                            f"~{shared:,} tokens of {prefix.session}'s prefix expected from it",
                      ram_tokens=shared)
 
     def _hand_back(self, url: str, info: UpstreamInfo, ident: Identity, slot: int,
                    lease: SlotLease, previous: SlotRecord | None, live_tokens: int,
-                   saved: bool) -> Route | None:
-        """Send the hand-back call. None when it went through; else the request's route:
-        what the slot holds now is not known, so no claim on it for anybody, and the request
-        prefills what it must (its answer is the server's, right either way)."""
+                   saved: bool, donor: str = "") -> tuple[Route | None, str]:
+        """Hand the slot back, by the file where it may, else by the call. (None, how) when
+        it went through; else the request's route: what the slot holds now is not known, so
+        no claim on it for anybody, and the request prefills what it must (its answer is the
+        server's, right either way). `donor`: a session the request will load from the
+        cache, which must be there before the request starts."""
         session = ident.session_id
         try:
+            if (not donor or info.published(donor)) and self._hand_back_from_file(
+                    info, slot, previous, session):
+                return None, " (by the hand-back file)"
             info.client.hand_back(slot)
-            return None
+            self._keep_hand_back_file(info, slot)
+            return None, ""
         except UpstreamError as e:
             log.warning("%s: could not hand slot %d back to %s's RAM cache (%s): the request "
                         "prefills what the slot lacks", session, slot, url, e)
@@ -227,4 +235,36 @@ class RamHandover:
                 metrics.eviction("session", saved)
             self.saves.mark_fresh(url, slot, session, 0)
             return Route(url, session, ident.rule, slot, ASSIGNED, lease=lease,
-                         detail=f"hand-back to the server's RAM cache failed ({e})")
+                         detail=f"hand-back to the server's RAM cache failed ({e})"), ""
+
+    def _hand_back_from_file(self, info: UpstreamInfo, slot: int, previous: SlotRecord | None,
+                             session: str) -> bool:
+        """Clear the slot by restoring the hand-back file (a slot holding only the hand-back
+        prompt) instead of the call: a slot action of milliseconds where the call is a prompt
+        evaluation of the server's (measured: 3 ms against 27-42 ms). Only when the slot holds
+        nothing the cache lacks: a restore overwrites the slot where the call parks it first.
+        So its session must have been copied there while it sat idle (`published`), or the
+        slot hold no session of ours (none, or stale)."""
+        if self.snapshots is None or info.props is None or not (
+                previous is None or previous.stale
+                or (previous.owner != session and info.published(previous.owner))):
+            return False
+        snapshot = hand_back_id(info.props.fingerprint)
+        if self.snapshots.folder.read_meta(snapshot) is None:
+            return False
+        notes: list[str] = []
+        restored = self.snapshots.restore(info.client, info.props, slot, snapshot, 0, notes,
+                                          what="hand-back file", priced=False)
+        if not restored and notes:
+            log.info("slot %d: %s; handed back with the call", slot, "; ".join(notes))
+        return restored > 0
+
+    def _keep_hand_back_file(self, info: UpstreamInfo, slot: int) -> None:
+        """After the first hand-back call for a model, the slot holds only the hand-back
+        prompt: saved once (tens of KB) as that model's hand-back file."""
+        if self.snapshots is None or info.props is None:
+            return
+        snapshot = hand_back_id(info.props.fingerprint)
+        if self.snapshots.folder.read_meta(snapshot) is None:
+            self.snapshots.save(info.client, info.props, slot, snapshot, messages=0,
+                                kind="hand-back")

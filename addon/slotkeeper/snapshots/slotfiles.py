@@ -40,6 +40,8 @@ MAX_MISSES = 2
 # server has written the state file, the meta is not written yet).
 ORPHAN_GRACE_SECONDS = 60.0
 
+KINDS = ("session", "seed", "hand-back")  # what a meta may say it is
+
 # The names live in paths.py (one room for every name we hand the server or delete).
 _META_RE, _TEMP_RE, _SAVING_RE = META_RE, TEMP_RE, SAVING_RE
 
@@ -62,7 +64,9 @@ class SessionMeta:
     size_bytes is the server's n_written for the save, which the file must still match."""
 
     session_id: str
-    kind: str  # "session", or "seed": the state after only a shared system prompt
+    # "session"; "seed": the state after only a shared system prompt; "hand-back": a slot
+    # holding only the hand-back prompt (routing/ramhandover.py)
+    kind: str
     file_name: str
     fingerprint: str  # model/build/slot layout the state belongs to (ServerProps.fingerprint)
     n_ctx: int
@@ -106,8 +110,8 @@ class SessionMeta:
                 raise ValueError(f"meta lacks {field.name}")
             values[field.name] = _checked(field.name, str(field.type), raw[field.name])
         meta = cls(**values)
-        if meta.kind not in ("session", "seed"):
-            raise ValueError(f"meta kind {meta.kind!r} is neither 'session' nor 'seed'")
+        if meta.kind not in KINDS:
+            raise ValueError(f"meta kind {meta.kind!r} is not one of {', '.join(KINDS)}")
         if meta.file_name != file_name_for(meta.session_id):
             raise ValueError(f"meta file_name {meta.file_name!r} is not the session's file name")
         return meta

@@ -8,6 +8,7 @@ or processes can never pair one save's meta with the other's file (issue #11, fa
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -33,6 +34,12 @@ def seed_id(seed_key: str) -> str:
     (identity: a verbatim id never holds "~", a hashed one has 16 hex digits after it), so a
     client cannot name its session after a seed and overwrite it (issue #11, fault 9)."""
     return f"seed~{seed_key[:32]}"
+
+
+def hand_back_id(fingerprint: str) -> str:
+    """The snapshot id of one model's hand-back file: a slot holding only the hand-back
+    prompt (routing/ramhandover.py). Per model, in the same unforgeable form as a seed's."""
+    return f"handback~{hashlib.sha256(fingerprint.encode()).hexdigest()[:32]}"
 
 
 class Snapshots:
@@ -154,13 +161,15 @@ class Snapshots:
 
     def restore(self, client: Upstream, props: ServerProps, slot: int, snapshot: str,
                 message_count: int, notes: list[str], what: str = "",
-                useful_tokens: int = 0, resident_tokens: int = 0) -> int:
+                useful_tokens: int = 0, resident_tokens: int = 0,
+                priced: bool = True) -> int:
         """Check and restore a snapshot into the slot under its lock (a save of it cannot swap
         the file between the check and the restore); tokens restored, 0 when it was not
         usable, not worth it (`useful_tokens`: what the request will reuse of it, when not all
         of it: another session's prefix; `resident_tokens`: what the slot already holds of the
         request, kept by the server without a restore) or failed. A failed restore may leave
-        the slot half-written, so it is erased."""
+        the slot half-written, so it is erased. `priced` False: restored whatever it costs
+        (the hand-back file, a few tokens that are not prefilled but cleared)."""
         lock = self.locks.snapshot(snapshot, self.lock_timeout)
         if lock is None:
             notes.append(f"{what or 'snapshot'} busy: not restored")
@@ -172,8 +181,8 @@ class Snapshots:
                     notes.append(f"{what or 'snapshot'} not used: {reason}")
                     metrics.restore_refused(reason)
                 return 0
-            if not self._restore_pays(client, snapshot, what, notes, useful_tokens,
-                                      resident_tokens):
+            if priced and not self._restore_pays(client, snapshot, what, notes, useful_tokens,
+                                                 resident_tokens):
                 return 0
             t0 = time.monotonic()
             try:
