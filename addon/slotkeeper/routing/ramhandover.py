@@ -253,11 +253,8 @@ class RamHandover:
         if self.snapshots.folder.read_meta(snapshot) is None:
             return False
         notes: list[str] = []
-        # Its edges are not read: it is read on every hand-back (through a slow folder, as
-        # much again as the restore), and whatever it holds the request's start swaps out
-        # (its meta, header and size are still checked: another model's file is refused).
         restored = self.snapshots.restore(info.client, info.props, slot, snapshot, 0, notes,
-                                          what="hand-back file", priced=False, content=False)
+                                          what="hand-back file", priced=False)
         if not restored and notes:
             log.info("slot %d: %s; handed back with the call", slot, "; ".join(notes))
         return restored > 0

@@ -162,21 +162,20 @@ class Snapshots:
     def restore(self, client: Upstream, props: ServerProps, slot: int, snapshot: str,
                 message_count: int, notes: list[str], what: str = "",
                 useful_tokens: int = 0, resident_tokens: int = 0,
-                priced: bool = True, content: bool = True) -> int:
+                priced: bool = True) -> int:
         """Check and restore a snapshot into the slot under its lock (a save of it cannot swap
         the file between the check and the restore); tokens restored, 0 when it was not
         usable, not worth it (`useful_tokens`: what the request will reuse of it, when not all
         of it: another session's prefix; `resident_tokens`: what the slot already holds of the
         request, kept by the server without a restore) or failed. A failed restore may leave
         the slot half-written, so it is erased. `priced` False: restored whatever it costs
-        (the hand-back file, a few tokens that are not prefilled but cleared); `content`
-        False: its edges are not read (slotfiles.check)."""
+        (the hand-back file, a few tokens that are not prefilled but cleared)."""
         lock = self.locks.snapshot(snapshot, self.lock_timeout)
         if lock is None:
             notes.append(f"{what or 'snapshot'} busy: not restored")
             return 0
         with lock:
-            ok, reason = self.check(props, snapshot, message_count, content=content)
+            ok, reason = self.check(props, snapshot, message_count)
             if not ok:
                 if reason != "no snapshot":
                     notes.append(f"{what or 'snapshot'} not used: {reason}")

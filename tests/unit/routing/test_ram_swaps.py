@@ -64,3 +64,37 @@ def test_unknown_conversations_swap_only_when_the_system_blocks_differ():
     assert not swaps(0.8, slot_chars=3400, prompt_chars=3800, shared=None)
     assert swaps(0.1, slot_chars=3400, prompt_chars=3800, shared=None, slot_system="other")
     assert not swaps(0.0, slot_chars=12000, prompt_chars=3800, shared=None, slot_system="other")
+
+
+# ---- the hand-back by a file: only where the restore loses nothing ----------------------------
+
+class FakeSnapshots:
+    """A FAKE snapshot store: the hand-back file is there; restores are recorded."""
+
+    def __init__(self) -> None:
+        self.folder = SimpleNamespace(read_meta=lambda snapshot: object())
+        self.restored: list[str] = []
+
+    def restore(self, client, props, slot, snapshot, messages, notes, **how) -> int:
+        assert how == {"what": "hand-back file", "priced": False}
+        self.restored.append(snapshot)
+        return 2
+
+
+def by_file(previous: SlotRecord | None, published: set[str]) -> bool:
+    snapshots = FakeSnapshots()
+    ram = RamHandover(saves=None, snapshots=snapshots, erase_on_handover=False)
+    info = SimpleNamespace(props=SimpleNamespace(fingerprint="model-a"), client=None,
+                           published=lambda session: session in published)
+    used = ram._hand_back_from_file(info, 0, previous, "b")
+    assert used == bool(snapshots.restored)
+    return used
+
+
+def test_a_slot_is_cleared_by_the_file_only_when_its_session_is_in_the_cache_already():
+    a = SlotRecord(owner="a", claimed=1, last_used=1, tokens=900)
+    assert by_file(a, published={"a"})
+    # a restore overwrites the slot where the call parks it first: a's unsaved KV would go
+    assert not by_file(a, published=set())
+    assert by_file(None, published=set())  # no session of ours in the slot
+    assert by_file(SlotRecord(owner="a", claimed=1, last_used=1, stale=True), published=set())
