@@ -214,6 +214,8 @@ class SlotKeeper:
         route: Route | None = flow.metadata.get(ROUTE_KEY)
         translation = translation_of(flow)
         streamed = "text/event-stream" in headers.get("content-type", "")
+        if route is not None and self.router is not None and flow.response.status_code == 200:
+            self.router.answer_began(route)
         if route is not None:
             set_headers(headers, {
                 "X-Slotkeeper-Session": route.session,

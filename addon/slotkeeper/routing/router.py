@@ -212,8 +212,9 @@ class Router:
         route.model = route.model or split_key(url)[1]
         self.models.touch(url)
         info = self.upstreams.peek(url)
-        if info is not None:  # the server copies its idle slots to RAM as this one starts
-            info.launched_at = self.clock()
+        route.sent_at = self.clock()
+        if info is not None:
+            info.sent_at = route.sent_at
         self.pool.count(url, +1)
         route.on_release(lambda: self.pool.count(url, -1))
         if route.action not in OWNING:
@@ -226,6 +227,13 @@ class Router:
         return route
 
     # ---- its end -------------------------------------------------------------------------------
+
+    def answer_began(self, route: Route) -> None:
+        """The server launched the route's request (its answer began), and copied its idle
+        slots into its RAM cache as it did (`UpstreamInfo.published`)."""
+        info = self.upstreams.peek(route.upstream)
+        if info is not None:
+            info.launched(route.sent_at)
 
     def finish(self, route: Route, timings: Timings | None) -> str:
         """Verify which slot ran the request and record its use, then release the route,

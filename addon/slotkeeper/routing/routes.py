@@ -65,6 +65,7 @@ class Route:
     lease: SlotLease | None = None
     restored_tokens: int = 0
     ms: float = 0.0
+    sent_at: float = float("-inf")  # the router's clock when it was sent on
     messages: int = 0
     seed_key: str | None = None
     seed_source: tuple[str, dict] | None = None  # (path, body): a seed may be taken afterwards

@@ -35,15 +35,19 @@ class UpstreamInfo:
     answered_at: float = float("-inf")  # time.monotonic() of its last 200 to a routed request
     # what its RAM prompt cache holds of our sessions (issue #31: ramcache.py)
     ram: RamModel = field(default_factory=RamModel)
-    launched_at: float = float("-inf")  # clock time our last request to it was sent
+    sent_at: float = float("-inf")  # clock time our last request to it was sent
+    # clock time of sending the last request of ours it is known to have launched (its answer
+    # began): llama-server copies its idle slots into its RAM cache as it launches one
+    launched_at: float = float("-inf")
     # one verification at a time: a request arriving while the start-up one runs waits for it
     # rather than reading /props, /slots and the model file a second time
     verifying: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def published(self, session: str) -> bool:
-        """Was the session's slot idle when a request of ours was last sent to this server?
-        llama-server then copied it into its RAM cache (--cache-idle-slots, on by default
-        with -np N): ramcache.py."""
+        """Was the session's slot idle when a request of ours that the server has launched
+        was sent? llama-server then copied it into its RAM cache (--cache-idle-slots, on by
+        default with -np N): ramcache.py. Launched is known once its answer began: a request
+        the server deferred launches later than it was sent."""
         seen = self.last_seen.get(session)
         return seen is not None and seen.at < self.launched_at
 
@@ -51,7 +55,11 @@ class UpstreamInfo:
         """Nothing of ours sent to this server, and no answer of it ended, within the last
         `seconds` (`now` and both marks on the router's clock)."""
         ends = [seen.at for seen in self.last_seen.values()]
-        return now - max([self.launched_at, *ends]) >= seconds
+        return now - max([self.sent_at, *ends]) >= seconds
+
+    def launched(self, sent_at: float) -> None:
+        """A request of ours sent at `sent_at` is running there: its answer began."""
+        self.launched_at = max(self.launched_at, sent_at)
 
     def answered_within(self, seconds: float) -> bool:
         return time.monotonic() - self.answered_at < seconds
