@@ -375,9 +375,9 @@ def test_a_memory_one_off_starts_from_the_previous_memory_request(make_llama, ma
     second_prompt = timings[1]["cache_n"] + timings[1]["prompt_n"]
     assert timings[2]["cache_n"] >= 0.9 * second_prompt, (actions, timings)
     metas = [json.loads(p.read_text()) for p in slots.glob("*.json")]
-    # the model's hand-back file (one per model, made by the first hand-back) is nobody's
+    # the leftovers are gone; the model's hand-back file (one per model) is nobody's
     assert {m["session_id"] for m in metas if m["kind"] != "hand-back"} == {"agent-7"}, metas
-    assert sum(m["kind"] == "hand-back" for m in metas) <= 1, metas  # the leftovers are gone
+    assert sum(m["kind"] == "hand-back" for m in metas) <= 1, metas
 
 
 def test_a_fresh_proxy_verifies_its_server_before_the_first_request(llama, make_proxy):
