@@ -6,6 +6,8 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from . import returns
+
 
 @dataclass(frozen=True)
 class SlotView:
@@ -43,20 +45,21 @@ def is_abandoned(claim: Claim | None, now: float, ttl: float) -> bool:
     return claim is None or now - claim.last_used > ttl
 
 
-def _preference(slot: SlotView, claim: Claim | None, now: float, ttl: float) -> tuple:
+def _preference(slot: SlotView, claim: Claim | None, now: float, ttl: float,
+                expected_return: Callable[[Claim], float]) -> tuple:
     """Sort key, smallest first:
     1. an idle slot before one that is processing (taking a busy slot makes us wait for it);
     2. empty or abandoned slots (no claim, or last use older than the TTL), fewest cached
        tokens first: taking them costs nobody anything;
-    3. then claimed slots, coldest (oldest last use) first;
+    3. then claimed slots, the owner expected back last first (decisions/returns.py);
     4. then fewest cached tokens, then lowest id, so the order is total and deterministic."""
     abandoned = is_abandoned(claim, now, ttl)
-    last_used = 0.0 if claim is None else claim.last_used
+    back_at = 0.0 if abandoned or claim is None else expected_return(claim)
     return (
         slot.is_processing,
         not abandoned,
         slot.n_tokens if abandoned else 0,
-        0.0 if abandoned else last_used,
+        -back_at if back_at == back_at else 0.0,  # a NaN would break the order: ties instead
         slot.n_tokens,
         slot.id,
     )
@@ -66,11 +69,14 @@ RankSlots = Callable[[Sequence[SlotView], Mapping[int, Claim], float, float], li
 
 
 def rank_slots(
-    slots: Sequence[SlotView], claims: Mapping[int, Claim], now: float, ttl: float
+    slots: Sequence[SlotView], claims: Mapping[int, Claim], now: float, ttl: float,
+    expected_return: Callable[[Claim], float] | None = None,
 ) -> list[int]:
     """Slot ids in the order a session without a slot should try them. The one function to
-    swap for another policy."""
-    ordered = sorted(slots, key=lambda s: _preference(s, claims.get(s.id), now, ttl))
+    swap for another policy. `expected_return`: when a claim's owner is expected back; by
+    default as late as it has been idle (least recently used first)."""
+    back = expected_return or (lambda claim: returns.expected_return(claim.last_used, 0.0, now))
+    ordered = sorted(slots, key=lambda s: _preference(s, claims.get(s.id), now, ttl, back))
     return [s.id for s in ordered]
 
 

@@ -39,6 +39,7 @@ from .firstturns import FirstTurns
 from .handover import Handover
 from .model_swaps import ModelSwaps, Prepared
 from .pool import Pool
+from .returns import ReturnTimes
 from .routes import OWNING, UNPINNED, ClaimedElsewhere, NoUpstream, Route, RouterConfig
 from .sessions import Sessions
 from .walk import Walk
@@ -70,7 +71,8 @@ class Router:
         self.upstreams = Upstreams(state, config.slots_timeout, config.api_key,
                                    make_client=kinds.client, ram_limit=config.ram_cache_bytes,
                                    sps=config.slot_similarity)
-        self.sessions = Sessions(state, config.small_request_chars, config.upstreams)
+        self.sessions = Sessions(state, config.small_request_chars, config.upstreams,
+                                 ReturnTimes(clock))
         self.saves = Saves(state, self.snapshots, config.min_save_tokens, config.stall_budget,
                            config.write_budget)
         self.pool = Pool(config, state, locks, folder, clock, self.upstreams, self.sessions,

@@ -16,6 +16,7 @@ from ..decisions.policy import Conversation
 from ..identity.identity import Identity
 from ..store.memories import MAX_REMEMBERED_SESSIONS, Recent
 from ..store.state import SlotRecord, StateFile
+from .returns import ReturnTimes
 from .routes import count_down
 
 MAX_FORKS_PER_OPENING = 16
@@ -30,8 +31,9 @@ class Sessions:
     leases, servers (it only reads claims from the state file)."""
 
     def __init__(self, state: StateFile, small_request_chars: int,
-                 upstreams: tuple[str, ...]) -> None:
+                 upstreams: tuple[str, ...], returns: ReturnTimes) -> None:
         self.state = state
+        self.returns = returns  # told when a session comes and goes
         self.small_request_chars = small_request_chars
         self.pool_urls = upstreams
         # (upstream, session) -> the session's main conversation as last routed here.
@@ -54,6 +56,7 @@ class Sessions:
         self.conversations.update(old.conversations)
         self.openings.update(old.openings)
         self.chains.update(old.chains)
+        self.returns = old.returns
 
     def resolve(self, url: str, ident: Identity) -> Identity:
         """A content-identified request continues the conversation it extends, or forks a
@@ -191,6 +194,8 @@ class Sessions:
         with self._changed:
             before = self._running.get(key, 0)
             self._running[key] = before + 1
+        if before == 0:
+            self.returns.came_back(session)
         return before
 
     def leave(self, url: str, session: str, finishing: bool = False) -> None:
@@ -201,6 +206,9 @@ class Sessions:
             if finishing:
                 count_down(self._finishing, key)
             self._changed.notify_all()
+            gone = key not in self._running
+        if gone:
+            self.returns.went(session)
 
     def finishing(self, url: str, session: str) -> None:
         """A running request of the session sent its answer's final event: only its

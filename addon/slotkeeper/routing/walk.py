@@ -311,7 +311,9 @@ class Walk:
 
     def _ranking(self, slots: list[SlotView], claims: dict, avoid: int | None) -> list[int]:
         """The slots best first (choice.rank_slots); `avoid` last-resort only."""
-        ranking = choice.rank_slots(slots, claims, self.clock(), self.config.ttl)
+        now = self.clock()
+        ranking = choice.rank_slots(slots, claims, now, self.config.ttl,
+                                    self.sessions.returns.expected_back(claims.values(), now))
         if avoid is not None:
             ranking = [s for s in ranking if s != avoid] or ranking
         return ranking

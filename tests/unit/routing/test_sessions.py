@@ -7,6 +7,7 @@ import threading
 import time
 
 from slotkeeper.identity.identity import identify
+from slotkeeper.routing.returns import ReturnTimes
 from slotkeeper.routing.sessions import Sessions
 from slotkeeper.store.state import StateFile
 
@@ -14,7 +15,7 @@ URL = "http://127.0.0.1:1"
 
 
 def sessions(tmp_path) -> Sessions:
-    return Sessions(StateFile(tmp_path / "state.json"), 100, ())
+    return Sessions(StateFile(tmp_path / "state.json"), 100, (), ReturnTimes(time.time))
 
 
 def ask(messages: list[dict], headers: dict | None = None):
