@@ -29,10 +29,12 @@ class ReturnTimes:
         self._mutex = threading.Lock()
 
     def came_back(self, session: str) -> None:
-        """A request of the session starts, none of its others running."""
+        """A request of the session starts, none of its others running. Counted once: the
+        end is taken, so a second try of the same request (the fast path's, then the slow
+        path's) finds none."""
         now = self.clock()
         with self._mutex:
-            ended = self._ended.get(session)
+            ended = self._ended.pop(session, None)
             if ended is None or now < ended:
                 return
             wait = now - ended

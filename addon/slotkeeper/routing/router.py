@@ -137,7 +137,7 @@ class Router:
             self.sessions.leave(url, ident.session_id)
             raise
         if route is None:
-            self.sessions.leave(url, ident.session_id)
+            self.sessions.leave(url, ident.session_id, tried=True)  # the slow path follows
             return None
         return self._begin(route, ident, started)
 
@@ -173,7 +173,7 @@ class Router:
                 try:
                     route = self.walk.walk(url, ident, client_slot, path, body, running)
                 except ClaimedElsewhere:
-                    self.sessions.leave(url, session)
+                    self.sessions.leave(url, session, tried=True)
                     continue
                 except BaseException:
                     self.sessions.leave(url, session)

@@ -198,8 +198,10 @@ class Sessions:
             self.returns.came_back(session)
         return before
 
-    def leave(self, url: str, session: str, finishing: bool = False) -> None:
-        """The request ended (`finishing`: it had been counted as finishing)."""
+    def leave(self, url: str, session: str, finishing: bool = False,
+              tried: bool = False) -> None:
+        """The request ended (`finishing`: it had been counted as finishing; `tried`: it was
+        only a try that another try of the same request follows, not an end)."""
         key = (url, session)
         with self._changed:
             count_down(self._running, key)
@@ -207,7 +209,7 @@ class Sessions:
                 count_down(self._finishing, key)
             self._changed.notify_all()
             gone = key not in self._running
-        if gone:
+        if gone and not tried:
             self.returns.went(session)
 
     def finishing(self, url: str, session: str) -> None:

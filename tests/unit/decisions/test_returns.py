@@ -102,3 +102,18 @@ def test_a_session_that_broke_its_rhythm_goes_before_one_keeping_it():
     ranking = rank_slots(slots, claims, clock.now, TTL,
                          times.expected_back(claims.values(), clock.now))
     assert ranking == [0, 1]
+
+
+def test_two_tries_of_one_request_count_one_return():
+    """The fast path's try and then the slow path's: one return, one wait."""
+    clock = Clock()
+    times = ReturnTimes(clock)
+    take_turns(times, clock, ["a"], rounds=1)
+    clock.now += 6.0
+    times.came_back("a")  # the fast path's try
+    clock.now += 0.01
+    times.came_back("a")  # the slow path's, the same request
+    clock.now += 1.0
+    times.went("a")
+    back = times.expected_back([Claim("a", 0.0)], clock.now)
+    assert back(Claim("a", 0.0)) == clock.now + 6.0

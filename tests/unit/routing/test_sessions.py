@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+from slotkeeper.decisions.choice import Claim
 from slotkeeper.identity.identity import identify
 from slotkeeper.routing.returns import ReturnTimes
 from slotkeeper.routing.sessions import Sessions
@@ -119,3 +120,26 @@ def test_a_new_header_session_takes_the_latest_conversation_with_its_block(tmp_p
     assert s.with_parent(URL, fourth).prefix.session == "three"
     content = ask([system, {"role": "user", "content": "task five"}])
     assert content.rule == "content" and s.with_parent(URL, content) is content
+
+
+def test_a_request_tried_twice_is_one_return_and_one_end(tmp_path):
+    """The fast path's failed try leaves with `tried`: the session has not gone; its wait
+    is the time since its previous request ended, counted once."""
+    clock = [100.0]
+    s = Sessions(StateFile(tmp_path / "state.json"), 100, (), ReturnTimes(lambda: clock[0]))
+    s.enter(URL, "a")
+    clock[0] = 101.0
+    s.leave(URL, "a")  # its first request ended at 101
+    clock[0] = 105.0
+    s.enter(URL, "a")  # the fast path's try
+    s.leave(URL, "a", tried=True)
+    clock[0] = 105.1
+    s.enter(URL, "a")  # the slow path
+    clock[0] = 106.0
+    s.leave(URL, "a")
+
+    def back(now: float) -> float:
+        claim = Claim("a", 0.0)
+        return s.returns.expected_back([claim], now)(claim)
+
+    assert back(106.0) == 110.0  # ended at 106, usual wait 4 s (not 0 from the tries)
