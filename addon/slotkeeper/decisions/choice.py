@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import returns
@@ -46,37 +46,47 @@ def is_abandoned(claim: Claim | None, now: float, ttl: float) -> bool:
 
 
 def _preference(slot: SlotView, claim: Claim | None, now: float, ttl: float,
-                expected_return: Callable[[Claim], float]) -> tuple:
+                expected_return: Callable[[Claim], float], free_to_take: bool) -> tuple:
     """Sort key, smallest first:
     1. an idle slot before one that is processing (taking a busy slot makes us wait for it);
     2. empty or abandoned slots (no claim, or last use older than the TTL), fewest cached
        tokens first: taking them costs nobody anything;
-    3. then claimed slots, the owner expected back last first (decisions/returns.py);
-    4. then fewest cached tokens, then lowest id, so the order is total and deterministic."""
+    3. then claimed slots whose owner loses nothing if taken now (`free_to_take`: its
+       snapshot holds what the slot holds, or the server's RAM cache does), the owner
+       expected back last first (decisions/returns.py): the others of this group will not
+       have to change hands before it returns;
+    4. then the other claimed slots (taking one saves its owner on the request's path),
+       coldest first: the one least likely to be lost for good if its save is skipped;
+    5. then fewest cached tokens, then lowest id, so the order is total and deterministic."""
     abandoned = is_abandoned(claim, now, ttl)
-    back_at = 0.0 if abandoned or claim is None else expected_return(claim)
+    if abandoned or claim is None:
+        group, when = 0, 0.0
+    elif free_to_take:
+        group, when = 1, -expected_return(claim)
+    else:
+        group, when = 2, claim.last_used
     return (
         slot.is_processing,
-        not abandoned,
-        slot.n_tokens if abandoned else 0,
-        -back_at if back_at == back_at else 0.0,  # a NaN would break the order: ties instead
+        group,
+        slot.n_tokens if group == 0 else 0,
+        when if when == when else 0.0,  # a NaN would break the order: ties instead
         slot.n_tokens,
         slot.id,
     )
 
 
-RankSlots = Callable[[Sequence[SlotView], Mapping[int, Claim], float, float], list[int]]
-
-
 def rank_slots(
     slots: Sequence[SlotView], claims: Mapping[int, Claim], now: float, ttl: float,
     expected_return: Callable[[Claim], float] | None = None,
+    free_to_take: Collection[int] = frozenset(),
 ) -> list[int]:
     """Slot ids in the order a session without a slot should try them. The one function to
     swap for another policy. `expected_return`: when a claim's owner is expected back; by
-    default as late as it has been idle (least recently used first)."""
+    default as late as it has been idle (least recently used first). `free_to_take`: the
+    claimed slots whose owner loses nothing if taken now."""
     back = expected_return or (lambda claim: returns.expected_return(claim.last_used, 0.0, now))
-    ordered = sorted(slots, key=lambda s: _preference(s, claims.get(s.id), now, ttl, back))
+    ordered = sorted(slots, key=lambda s: _preference(s, claims.get(s.id), now, ttl, back,
+                                                      s.id in free_to_take))
     return [s.id for s in ordered]
 
 

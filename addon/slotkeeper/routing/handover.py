@@ -259,6 +259,11 @@ class Handover:
         self._restore_prefix(info, ident, slot, notes)
         return "; ".join(notes)
 
+    def left_to_ram(self, info: UpstreamInfo, rec: SlotRecord, live_tokens: int) -> bool:
+        """Would the server's RAM cache keep the slot's owner if the slot were taken now, with
+        no save? When the server copied it there while it sat idle and the cache has room."""
+        return info.published(rec.owner) and self.ram.keeps(info, rec, live_tokens)
+
     def displace(self, url: str, info: UpstreamInfo, slot: int, session: str | None,
                  live_tokens: int, save: bool = True) -> str:
         """A request that is not the owner's is about to run on `slot`: save the owner's KV
@@ -270,7 +275,7 @@ class Handover:
             return ""
         published = info.published(rec.owner)  # the server copied it to RAM while idle
         # left there, as a handover leaves it: a side request must not wait for a save
-        left = published and self.ram.keeps(info, rec, live_tokens)
+        left = self.left_to_ram(info, rec, live_tokens)
         saved = save and not left and self.saves.save_if_worth(url, info, slot, rec,
                                                                live_tokens)
         if published:

@@ -38,6 +38,7 @@ from .routes import (
     tokens_in,
 )
 from .sessions import Sessions, conversation_fields
+from .slotcosts import free_to_take, side_costs
 
 log = logging.getLogger("slotkeeper")
 
@@ -195,7 +196,7 @@ class Walk:
                     break
                 return route
             claims = up.claims() if up else {}
-            ranking = self._ranking(slots, claims, avoid=owned if move else None)
+            ranking = self._ranking(info, slots, up, claims, avoid=owned if move else None)
             if not ranking:
                 return self._fallback(url, info, ident, "server reports no slots",
                                       self.config.lock_timeout)
@@ -256,9 +257,9 @@ class Walk:
         as a new conversation's handover does."""
         up = self.state.read().upstreams.get(url)
         claims = up.claims() if up else {}
-        ranking = self._ranking(slots, claims,
+        ranking = self._ranking(info, slots, up, claims,
                                 avoid=up.slot_of(ident.session_id) if up else None)
-        costs = side_costs(slots, up)
+        costs = side_costs(slots, up, info, self.handover.left_to_ram)
         tokens = {view.id: view.n_tokens for view in slots}
         ranking = policy.order_for_side(ranking, costs, tokens)
         if not ranking:
@@ -309,11 +310,13 @@ class Walk:
             route.on_release(held.release)
         return route
 
-    def _ranking(self, slots: list[SlotView], claims: dict, avoid: int | None) -> list[int]:
+    def _ranking(self, info: UpstreamInfo, slots: list[SlotView], up, claims: dict,
+                 avoid: int | None) -> list[int]:
         """The slots best first (choice.rank_slots); `avoid` last-resort only."""
         now = self.clock()
         ranking = choice.rank_slots(slots, claims, now, self.config.ttl,
-                                    self.sessions.returns.expected_back(claims.values(), now))
+                                    self.sessions.returns.expected_back(claims.values(), now),
+                                    free_to_take(slots, up, info, self.handover.left_to_ram))
         if avoid is not None:
             ranking = [s for s in ranking if s != avoid] or ranking
         return ranking
@@ -334,23 +337,6 @@ class Walk:
 def until(deadline: float) -> float:
     """The seconds left before `deadline` (time.monotonic), never negative."""
     return max(0.0, deadline - time.monotonic())
-
-
-def side_costs(slots: list[SlotView], up) -> dict[int, tuple[bool, int]]:
-    """What running a request that claims nothing on each slot costs (policy.order_for_side):
-    busy or not, and FREE (nobody's KV), CURRENT (its owner's snapshot holds what the slot
-    holds: the owner pays one restore) or SAVE (its owner must be saved first)."""
-    costs = {}
-    for view in slots:
-        rec = up.slots.get(view.id) if up is not None else None
-        if rec is None or rec.stale:
-            cost = policy.FREE
-        elif rec.saved_tokens >= max(rec.tokens, view.n_tokens):
-            cost = policy.CURRENT
-        else:
-            cost = policy.SAVE
-        costs[view.id] = (view.is_processing, cost)
-    return costs
 
 
 def claim(state: StateFile, config: RouterConfig, now: float, url: str, slot: int,

@@ -68,8 +68,9 @@ def test_agents_taking_turns_give_up_the_slot_of_the_one_that_just_spoke():
     claims = {i: Claim(agent, 0.0) for i, agent in enumerate(agents[2:])}
     slots = [SlotView(i, n_tokens=900) for i in claims]
     times.came_back("agent1")
+    # every owner loses nothing if taken (in the server's RAM cache, or saved)
     ranking = rank_slots(slots, claims, clock.now, TTL,
-                         times.expected_back(claims.values(), clock.now))
+                         times.expected_back(claims.values(), clock.now), set(claims))
     assert claims[ranking[0]].owner == "agent6", [claims[s].owner for s in ranking]
     assert claims[ranking[-1]].owner == "agent3", [claims[s].owner for s in ranking]
     # the same slots ranked the old way: agent3's, the next to speak, first
@@ -100,7 +101,7 @@ def test_a_session_that_broke_its_rhythm_goes_before_one_keeping_it():
     claims = {0: Claim("gone", 0.0), 1: Claim("steady", 0.0)}
     slots = [SlotView(0, n_tokens=500), SlotView(1, n_tokens=500)]
     ranking = rank_slots(slots, claims, clock.now, TTL,
-                         times.expected_back(claims.values(), clock.now))
+                         times.expected_back(claims.values(), clock.now), {0, 1})
     assert ranking == [0, 1]
 
 
@@ -117,3 +118,23 @@ def test_two_tries_of_one_request_count_one_return():
     times.went("a")
     back = times.expected_back([Claim("a", 0.0)], clock.now)
     assert back(Claim("a", 0.0)) == clock.now + 6.0
+
+
+def test_a_slot_whose_owner_would_be_saved_on_the_path_goes_after_every_free_one():
+    """mixed-agents with the owner expected back last and nothing else (BENCHMARKS section 7,
+    "Expected back, tried"): a one-off took the slot of the session that had just spoken, not
+    yet in the server's RAM cache, and waited 7.5 s for its save. Expected back last decides
+    only among the slots whose owners lose nothing; the others follow, coldest first."""
+    clock = Clock()
+    times = ReturnTimes(clock)
+    take_turns(times, clock, ["sdk", "agent", "notes"], rounds=3)
+    claims = {0: Claim("agent", clock.now - 2), 1: Claim("sdk", clock.now - 3),
+              2: Claim("notes", clock.now - 1)}  # "notes" just spoke: back last
+    slots = [SlotView(i, n_tokens=6000) for i in claims]
+    back = times.expected_back(claims.values(), clock.now)
+    # "agent" spoke after "sdk": back later, so its slot first; "notes" last, though back last
+    assert rank_slots(slots, claims, clock.now, TTL, back, {0, 1}) == [0, 1, 2]
+    # nobody free to take: the coldest first, whoever is expected back when
+    assert rank_slots(slots, claims, clock.now, TTL, back, set()) == [1, 0, 2]
+    # everybody free: the one expected back last first
+    assert rank_slots(slots, claims, clock.now, TTL, back, {0, 1, 2})[0] == 2
