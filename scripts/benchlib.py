@@ -49,6 +49,7 @@ from testbed import MITMDUMP, LlamaServer, Proxy  # noqa: E402
 BENCH_DIR = REPO / "docs" / "bench"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 REQUEST_TIMEOUT_S = 900.0  # a long prompt on a loaded 2-core machine prefills at ~50 tokens/s
+READY_TIMEOUT_S = 30.0  # a fresh proxy checks its server in 0.2-0.4 s here (props, digest, slots)
 NP, CTX = 4, 16384  # the server flags of issue #5: -np 4 --swa-full -c 16384 --slot-save-path
 
 
@@ -134,7 +135,7 @@ class Lab:
                 **options}
         proxy = Proxy(server.url, self.folder(name), options=opts)
         self.procs.append(proxy)
-        return proxy.start()
+        return wait_until_ready(proxy.start())
 
     def bare(self, server: LlamaServer, name: str, **options: Any) -> Proxy:
         proxy = BareProxy(server.url, self.folder(name),
@@ -145,6 +146,19 @@ class Lab:
     def pids(self) -> list[int]:
         """This process and the live servers and proxies: the CPU that is ours."""
         return [os.getpid()] + [p.proc.pid for p in self.procs if p.alive and p.proc]
+
+
+def wait_until_ready(proxy: Proxy, timeout: float = READY_TIMEOUT_S) -> Proxy:
+    """Until the proxy's start-up check is done (its log's `ready:` line): a proxy runs long
+    before its first request, as a server loads its model before its first; the baselines'
+    servers are started and checked before the workload too. A proxy that never says so is
+    measured as it is, cold."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proxy.log.is_file() and "] ready: " in proxy.log.read_text(errors="replace"):
+            break
+        time.sleep(0.05)
+    return proxy
 
 
 # ---- requests ------------------------------------------------------------------------------

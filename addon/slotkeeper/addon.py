@@ -379,7 +379,11 @@ def check_at_start(router: Router, urls: list[str]) -> None:
     that takes our calls is verified before any request needs it (Router.warm_up)."""
     try:
         refused = check_access(urls, router.config.api_key)
-        router.warm_up([url for url in urls if url not in refused])
+        checked = router.warm_up([url for url in urls if url not in refused])
+        # one line a user (and the benchmarks) can wait for: requests from now on find the
+        # servers verified
+        log.info("ready: %s", ", ".join(checked) + " checked" if checked
+                 else "no server answered yet; the first request will check it")
     except Exception:  # noqa: BLE001 - a thread's error would vanish; the first request retries
         log.exception("checking the upstreams at start failed")
 

@@ -97,12 +97,13 @@ class Router:
         self.upstreams.adopt(old.upstreams)
         self.sessions.adopt(old.sessions)
 
-    def warm_up(self, bases: Sequence[str]) -> None:
+    def warm_up(self, bases: Sequence[str]) -> list[str]:
         """At start, off every request's path: learn what each server is and verify a single
         server (its /props, the model file's digest, its /slots), so that the first request
         does not wait for them (measured: 0.2-0.3 s of a fresh proxy's first request, most of
         it the digest; docs/DESIGN.md, "Verified at start"). A server that is not up is left
-        to the first request and the health watcher, as before."""
+        to the first request and the health watcher, as before. Returns the servers checked."""
+        checked = []
         for base in dict.fromkeys(bases):
             probe = Upstream(base, timeout=self.config.slots_timeout, api_key=self.config.api_key)
             if not probe.healthy():
@@ -110,6 +111,8 @@ class Router:
             key = base if self.pool.pooled else self.models.prepare(base, "").key
             if key:
                 self.upstreams.verify_if_suspect(key)
+                checked.append(base)
+        return checked
 
     # ---- a request's walk --------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ def count_props(router: Router, url: str, delay: float = 0.0) -> list[float]:
 def test_warm_up_verifies_the_server_and_the_first_request_does_not_again(llama, tmp_path):
     router = make_router(tmp_path)
     reads = count_props(router, llama.url)
-    router.warm_up([llama.url])
+    assert router.warm_up([llama.url]) == [llama.url]  # the addon's `ready:` line names it
     info = router.upstreams.peek(llama.url)
     assert info is not None and info.checked and not info.suspect
     fingerprint = router.state.read().upstreams[llama.url].fingerprint
@@ -72,7 +72,8 @@ def test_a_request_during_the_start_up_verification_waits_for_it(llama, tmp_path
 
 def test_warm_up_leaves_a_server_that_is_not_up_to_the_first_request(tmp_path):
     router = make_router(tmp_path)
-    router.warm_up(["http://127.0.0.1:9"])  # nothing listens on the discard port
+    # nothing listens on the discard port
+    assert router.warm_up(["http://127.0.0.1:9"]) == []
     assert router.upstreams.peek("http://127.0.0.1:9") is None
     assert not router.state.read().upstreams
 
