@@ -82,6 +82,8 @@ def test_demo_runs_sessions_through_slotkeeper_beside_direct(llama_bin: Path, mo
         assert answer, answer_line
         assert_sentence(ast.literal_eval(answer[2]))
     assert sorted(rows) == [(f"demo-{s}", t) for s in (1, 2, 3) for t in (1, 2)]
+    # Two slots for three sessions: at least two second turns found their slot taken.
+    assert sum(rows[f"demo-{s}", 2]["action"] != "kept" for s in (1, 2, 3)) >= 2, rows
     for s in ("demo-1", "demo-2", "demo-3"):
         first, second = rows[s, 1], rows[s, 2]
         # demo-1 starts cold; the others from the seed, or demo-1's prefix (its KV saved and
@@ -89,10 +91,11 @@ def test_demo_runs_sessions_through_slotkeeper_beside_direct(llama_bin: Path, mo
         assert first["action"] in ({"assigned"} if s == "demo-1" else
                                    {"assigned", "seeded", "restored"}), first
         assert first["slot"] in {"0", "1"}, first
-        # Three sessions on two slots: each came back after another had its slot, and its
-        # whole previous prompt came back, from disk or from the server's RAM cache (the slot
-        # handed back): the server reused all of it.
-        assert second["action"] in ("restored", "assigned"), second
+        # Three sessions on two slots: each came back to its own slot (kept: the slot
+        # another session needed was one whose owner lost nothing, DESIGN "Which slot") or
+        # after another had its slot, its whole previous prompt brought back from disk or
+        # from the server's RAM cache (the slot handed back): the server reused all of it.
+        assert second["action"] in ("kept", "restored", "assigned"), second
         assert second["reused"] >= first["reused"] + first["prefilled"], (first, second)
         # Sent direct, the session's own file is computed again: 300+ tokens.
         assert second["d_prefilled"] > second["prefilled"] + 200, second
