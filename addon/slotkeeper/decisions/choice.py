@@ -56,7 +56,8 @@ def _preference(slot: SlotView, claim: Claim | None, now: float, ttl: float,
        expected back last first (decisions/returns.py): the others of this group will not
        have to change hands before it returns;
     4. then the other claimed slots (taking one saves its owner on the request's path),
-       coldest first: the one least likely to be lost for good if its save is skipped;
+       coldest first, the order of old: ranked by expected return, the session that had just
+       spoken went first and a one-off waited 7.5 s for its save (DESIGN, "Which slot");
     5. then fewest cached tokens, then lowest id, so the order is total and deterministic."""
     abandoned = is_abandoned(claim, now, ttl)
     if abandoned or claim is None:
