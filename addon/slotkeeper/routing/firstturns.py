@@ -168,8 +168,12 @@ class FirstTurns:
                 or not self.saves.save_if_worth(url, info, pending.slot, rec, tokens)):
             return False  # the session's KV could not be kept: never cut it
         started = time.monotonic()
+        # the session's turns since the answer that left the seed (kept on the slot, they
+        # leave none) grew the snapshot just saved: the restore checks against its count,
+        # not the older request's (with that, six-agents' seeds left the slot empty)
+        messages = max(pending.messages, info.messages_of(session, rec.messages))
         taken = self.seeds.take_afterwards(info.client, info.props, pending.slot, pending.key,
-                                           *pending.source, session, pending.messages)
+                                           *pending.source, session, messages)
         if taken.seed_tokens:  # tokens the server prefilled for it: 1 when it cut the slot
             metrics.seed_built(taken.evaluated, time.monotonic() - started)
         if taken.restored == 0:
