@@ -224,6 +224,32 @@ def test_a_new_conversation_starts_from_its_idle_parents_copy_in_ram(make_llama,
     assert metric(proxy.url, "slotkeeper_ram_cache_total", 'result="miss"') == 0, log[-3000:]
 
 
+def test_a_third_conversation_starts_from_an_idle_twins_copy_by_the_file(make_llama, make_proxy,
+                                                                         slot_dir):
+    """Three conversations of one system prompt, one after the other, on three slots. The
+    second's parent (the first) has not sat idle at a launch yet: its empty slot is handed back
+    by the call. The third's parent (the second) spoke last and is not in the cache either, but
+    the first is, copied at the second's start: the third's slot is handed back by the 2-token
+    file and loads the first's copy, keeping the opening as `-np 1 -sps 0` does on the same
+    turns."""
+    baseline = make_llama(np=1, ctx=8192, extra=["--slot-prompt-similarity", "0"])
+    server = make_llama(np=3, ctx=12288, slot_save_path=slot_dir)  # --cache-ram: its default
+    proxy = make_proxy(server, slotkeeper_slot_dir=str(slot_dir), **OPTIONS)
+    straight, through = three_sharing_one_system_prompt("t"), three_sharing_one_system_prompt("u")
+    for url, conversations in ((baseline.url, straight), (proxy.url, through)):
+        for conv, ask in zip(conversations, ("Name a colour.", "Name a city.", "Name a river.")):
+            conv.ask(url, f"({conv.session}) {ask}")
+    a, b, c = through
+    log = proxy.log_text()
+    assert BY_FILE not in line_of(log, b.session, 1), log[-3000:]
+    third = line_of(log, c.session, 1)
+    assert BY_FILE in third and f"from {a.session}'s copy" in third, log[-3000:]
+    assert len({a.turns[0].slot, b.turns[0].slot, c.turns[0].slot}) == 3, through
+    assert c.turns[0].cache_n >= straight[2].turns[0].cache_n - 8, (c.turns, straight[2].turns)
+    assert c.turns[0].cache_n >= 0.5 * c.turns[0].prompt_tokens, c.turns
+    assert metric(proxy.url, "slotkeeper_ram_cache_total", 'result="miss"') == 0, log[-3000:]
+
+
 def test_the_seed_waits_for_a_quiet_server_when_the_ram_cache_serves_new_conversations(
         make_llama, make_proxy, slot_dir):
     """With idle saves on: the second conversation's answer ends with no seed taken (it held

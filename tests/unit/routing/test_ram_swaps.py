@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 from slotkeeper.decisions.ramcache import RamModel
 from slotkeeper.identity.identity import Identity
-from slotkeeper.routing.ramhandover import RamHandover
-from slotkeeper.store.state import SlotRecord
+from slotkeeper.routing.ramhandover import RamHandover, published_twin
+from slotkeeper.store.state import SlotRecord, UpstreamRecord
 
 
 def incoming(prompt_chars: int, system_key: str = "sys") -> Identity:
@@ -98,3 +98,28 @@ def test_a_slot_is_cleared_by_the_file_only_when_its_session_is_in_the_cache_alr
     assert not by_file(a, published=set())
     assert by_file(None, published=set())  # no session of ours in the slot
     assert by_file(SlotRecord(owner="a", claimed=1, last_used=1, stale=True), published=set())
+
+
+# ---- a new conversation's opening from another session's copy --------------------------------
+
+def twin(published: set[str], idle: set[int]) -> str | None:
+    up = UpstreamRecord(slots={
+        0: SlotRecord(owner="a", claimed=1, last_used=1, tokens=731, system_key="sys"),
+        1: SlotRecord(owner="b", claimed=2, last_used=2, tokens=731, system_key="sys"),
+        2: SlotRecord(owner="x", claimed=3, last_used=3, tokens=900, system_key="other"),
+        3: SlotRecord(owner="s", claimed=4, last_used=4, tokens=731, system_key="sys",
+                      stale=True)})
+    info = SimpleNamespace(published=lambda session: session in published)
+    return published_twin(info, up, "sys", frozenset(idle))
+
+
+def test_the_twin_is_an_idle_session_of_the_same_system_block_already_in_the_cache():
+    assert twin(published={"a"}, idle={0, 1, 2, 3}) == "a"
+    assert twin(published={"a", "b"}, idle={1, 2, 3}) == "b"  # a is busy: not a
+
+
+def test_no_twin_when_the_cache_lacks_it_or_its_slot_holds_something_else():
+    assert twin(published=set(), idle={0, 1, 2, 3}) is None  # not copied yet: the call
+    assert twin(published={"a"}, idle={1, 2, 3}) is None  # a's slot is computing
+    assert twin(published={"x"}, idle={2}) is None  # another system block
+    assert twin(published={"s"}, idle={3}) is None  # the slot no longer holds s
