@@ -60,8 +60,9 @@ def first_turns(tmp_path: Path, recorded_messages: int) -> tuple[FirstTurns, Fak
     info = UpstreamInfo(client=SimpleNamespace(), props=SimpleNamespace())
     upstreams = SimpleNamespace(peek=lambda url: info, get=lambda url: info)
     seeds, saves = FakeSeeds(), FakeSaves()
-    turns = FirstTurns(state, SlotLocks(tmp_path / "locks"), upstreams, saves,  # type: ignore[arg-type]
-                       snapshots=None, seeds=seeds, seed_min_chars=0)  # type: ignore[arg-type]
+    turns = FirstTurns(state, SlotLocks(tmp_path / "locks"),
+                       upstreams, saves, snapshots=None,  # type: ignore[arg-type]
+                       seeds=seeds, seed_min_chars=0)  # type: ignore[arg-type]
     # left by the session's first answer (4 messages); its two later turns were kept
     turns.pending[(URL, "agent5")] = PendingSeed(slot=0, key="k", messages=4,
                                                  source=("/v1/chat/completions", {}))
