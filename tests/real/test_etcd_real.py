@@ -151,7 +151,10 @@ def test_a_killed_proxy_frees_its_slots_and_the_session_goes_on(
     print(f"the killed proxy's slot lease was gone {gone:.1f} s after the kill (TTL {TTL} s)")
     assert not held_by_a(), held_by_a()
     assert gone <= TTL + 1.5, gone
-    assert all("/sh/" in key for key, _ in lock_keys(etcd, "/kill/")), lock_keys(etcd, "/kill/")
+    # B's work after its kept turn (its usage written in the background) may hold another
+    # key for a moment (CI once read one there, gone by the message): none may stay
+    assert eventually(lambda: all("/sh/" in key for key, _ in lock_keys(etcd, "/kill/")), 3.0), \
+        lock_keys(etcd, "/kill/")
 
 
 def lock_keys(etcd, prefix: str) -> list[tuple[str, int]]:
