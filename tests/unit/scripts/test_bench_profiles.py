@@ -6,9 +6,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
 from baselinebench import TARGETS  # noqa: E402
-from profilebench import repeat_summary, repeat_table, same_shape  # noqa: E402
+from profilebench import (PROFILES, derive_cap, log_counts, project,  # noqa: E402
+                          repeat_summary, repeat_table, same_shape)
 
 
 def shape(flags: tuple[str, ...]) -> list[object]:
@@ -45,3 +48,33 @@ def test_repeat_table_gives_every_run_and_the_mean() -> None:
 def test_repeat_table_says_when_no_turn_had_a_first_token() -> None:
     lone = run(5.0, None, 1_000) | {"repeats": [repeat_summary(run(5.0, None, 1_000))]}
     assert repeat_table({"w": {"t": lone}})[1][5] == "-"
+
+
+def test_the_bed_waits_for_a_ram_cache_copy_as_long_as_the_profile_takes_at_the_beds_pace() -> None:
+    profile = PROFILES["rtx4090-llama8b"]
+    derived = derive_cap(profile, bed_prefill_tps=135.0, bed_kv_bytes_per_token=3088.0,
+                         bed_decode_tps=22.6)
+    # 128 KiB over 25 GB/s is 5.24 us on the 4090, 2.76% of its 190 us prefill of a token
+    assert derived["host_copy_over_prefill"] == pytest.approx(131072 / 25e9 * 5265.68)
+    # the same share of the bed's 7.4 ms prefill of a token
+    assert derived["bed_host_copy_us_per_token"] == pytest.approx(
+        derived["host_copy_over_prefill"] / 135.0 * 1e6)
+    assert 200 < derived["bed_host_copy_us_per_token"] < 210
+
+
+def test_the_bed_servers_ram_cache_copies_are_counted_and_priced() -> None:
+    log = ("slot launch_slot_: id  0 | task 5 | processing task\n"
+           "slotkeeper-bed: host copy of 512 tokens\n"
+           "prompt eval time =     100.00 ms /    10 tokens\n"
+           "slotkeeper-bed: host copy of 88 tokens\n")
+    counts = log_counts(log)
+    assert (counts["host_copies"], counts["host_copy_tokens"]) == (2, 600)
+    run = {"counts": counts | {"decoded": 0}, "io": {}}
+    profile = PROFILES["3x3090-llama70b"]
+    assert project(run, profile, per_token=3088.0)["host_copy_s"] == pytest.approx(
+        600 * profile.kv_bytes_per_token / profile.host_copy_bps, abs=0.01)
+
+
+def test_upstreams_server_counts_no_ram_cache_copies() -> None:
+    counts = log_counts("prompt eval time =     100.00 ms /    10 tokens\n")
+    assert (counts["host_copies"], counts["host_copy_tokens"]) == (0, 0)
