@@ -46,6 +46,7 @@ ensure_build_tools() {
   local missing=()
   command -v cmake >/dev/null || missing+=(cmake)
   command -v c++ >/dev/null || missing+=(g++)
+  command -v patch >/dev/null || missing+=(patch)  # the bed's build (scripts/bed/*.patch)
   [ ${#missing[@]} = 0 ] && return 0
   if as_root && command -v apt-get >/dev/null; then
     echo "installing ${missing[*]} (apt-get) to build llama-server" >&2
