@@ -55,11 +55,12 @@ GPU_BENCH = "https://github.com/XiongjieDai/GPU-Benchmarks-on-LLM-Inference (REA
 # (Samsung 990 PRO: 6.9 GB/s write, 7.45 GB/s read sequential, its data sheet) and a GPU's
 # PCIe 4.0 x16 copy (~25 GB/s) are both faster, so the server's own path is the limit we take.
 # The RAM prompt cache's copies: llama_state_seq_get/set_data of the slot's K and V between the
-# GPU and host memory, over PCIe 4.0 x16 (all three profiles' GPUs): 32 GB/s raw, ~25 GB/s
-# measured host-device bandwidth (NVIDIA bandwidthTest on pinned memory; the server's pageable
-# buffers are slower, so 25 GB/s prices the cache at its cheapest).
-PCIE = ("host copies 25 GB/s: PCIe 4.0 x16 (32 GB/s raw, ~25 GB/s pinned host-device copies); "
-        "llama-server's RAM prompt cache copies pageable buffers, which is slower")
+# GPU and host memory, over PCIe 4.0 x16 (all three profiles' GPUs): 31.5 GB/s a direction by
+# the PCIe 4.0 specification, ~25 GB/s taken for what a copy reaches. The server copies into
+# ordinary (pageable) buffers, which is slower: 25 GB/s prices the cache at its cheapest, in
+# the baselines' favour.
+PCIE = ("host copies 25 GB/s: PCIe 4.0 x16 (31.5 GB/s a direction by its specification, ~25 "
+        "GB/s taken for a copy); the server's pageable buffers are slower")
 DISK = ("save 2 GB/s, restore 3 GB/s: llama-server's own save/restore path, measured uncapped "
         "here (calibration); NVMe and PCIe 4.0 are faster")
 
